@@ -1,0 +1,32 @@
+# exspec: `make demo` runs the main job, `make test` runs the tests. Both set up .venv first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: venv test test-engine demo clean
+
+# torch first, pinned, in its own pip call: that takes the CPU wheel from this machine's disk
+# instead of letting a dependency pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[serve,test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Each part prints its wall time, so CI shows where the minutes go.
+test: venv
+	@start=$$(date +%s); \
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests; rc=$$?; \
+	echo "== tests took $$(( $$(date +%s) - start )) s"; exit $$rc
+
+test-engine: venv
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/engine
+
+demo: venv
+	$(BIN)/python -m exspec.demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache

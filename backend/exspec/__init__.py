@@ -1,0 +1,11 @@
+"""exspec: output-equivalent batched speculative decoding (EQSPEC / EXSPEC) for Triton.
+
+The engine is plain PyTorch + transformers and never imports Triton; backend/model.py adapts it.
+"""
+from .config import EngineConfig
+from .errors import EngineBusyError, InvalidRequestError, ModelLoadError
+from .outputs import CompletionOutput, RequestOutput
+from .params import SamplingParams
+
+__all__ = ["EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "InvalidRequestError", "EngineBusyError", "ModelLoadError"]

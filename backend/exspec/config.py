@@ -1,0 +1,69 @@
+"""EngineConfig: every engine knob, validated once. Field names are the model.json keys."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+METHODS = ("exspec", "eqspec", "autoregressive")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    target_model: str
+    draft_model: str | None = None
+    tokenizer: str | None = None          # default: the target's
+    method: str = "exspec"                # exspec | eqspec | autoregressive
+    num_speculative_tokens: int = 5       # k; per-request values may lower it
+    adaptive_k: bool = True               # choose k per group from measured acceptance
+    max_batch_size: int = 8               # rows verified in one step
+    max_num_seqs: int = 64                # sequences holding KV state in the pool
+    max_num_kv_tokens: int | None = None  # KV entries (both models) in the pool; None = no limit on CPU
+    max_queue_len: int = 256              # waiting requests beyond the pool; more are refused as busy
+    max_model_len: int | None = None      # prompt + output; default: the smaller model's limit
+    max_prompt_tokens: int | None = None  # default: max_model_len - 1
+    max_output_tokens: int = 4096         # largest max_tokens a request may ask for
+    default_max_tokens: int = 256
+    max_skipped_ticks: int = 8            # fairness bound of the scheduler
+    device: str = "cpu"
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    seed: int = 0                         # for requests that sample without a seed of their own
+    extra: dict = field(default_factory=dict, repr=False)  # reserved; must stay empty
+
+    def __post_init__(self):
+        if not self.target_model:
+            raise ValueError("target_model is required")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; expected one of {', '.join(METHODS)}")
+        if self.method != "autoregressive" and not self.draft_model:
+            raise ValueError(f"method {self.method!r} needs a draft_model")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name in ("num_speculative_tokens", "max_skipped_ticks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_batch_size", "max_num_seqs", "max_queue_len", "max_output_tokens",
+                     "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_seqs < self.max_batch_size:
+            raise ValueError("max_num_seqs must be >= max_batch_size")
+        if self.extra:
+            raise ValueError(f"unknown engine config keys: {', '.join(sorted(self.extra))}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "EngineConfig":
+        """Build from model.json-style keys; unknown keys are an error that names them."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown engine config keys: {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
+        return cls(**values)
+
+    @property
+    def speculative(self) -> bool:
+        return self.method != "autoregressive" and self.num_speculative_tokens > 0

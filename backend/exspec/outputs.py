@@ -1,0 +1,32 @@
+"""What the engine hands back: per-tick deltas (RequestOutput) and whole completions."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]           # committed this tick, after stop truncation
+    text_delta: str                    # held back while UTF-8 is partial or a stop string may start
+    finished: bool
+    finish_reason: str | None          # stop | length | abort | error (None while running)
+    error: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int             # cumulative
+    num_draft_tokens: int              # cumulative, proposed for this request
+    num_accepted_draft_tokens: int     # cumulative
+    new_logprobs: list[float] | None = None  # target logprobs of new_token_ids when asked for
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # ends with the EOS id when EOS stopped it
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    logprobs: list[float] | None = None
