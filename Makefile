@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv test test-engine demo clean
+.PHONY: venv test test-engine demo serve clean
 
 # torch first, pinned, in its own pip call: that takes the CPU wheel from this machine's disk
 # instead of letting a dependency pull a multi-GB CUDA build.
@@ -27,6 +27,10 @@ test-engine: venv
 
 demo: venv
 	$(BIN)/python -m exspec.demo
+
+# A real tritonserver on model_repository/ (ports 8000/8001/8002); Ctrl-C stops it.
+serve: venv
+	$(BIN)/exspec-serve --model-repository model_repository
 
 clean:
 	rm -rf $(VENV) .pytest_cache

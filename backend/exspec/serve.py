@@ -1,0 +1,295 @@
+"""exspec-serve: lay out the backend, start a real tritonserver, wait until it is ready.
+
+    exspec-serve --model-repository model_repository [--http-port N] [--grpc-port N]
+                 [--metrics-port N] [--free-ports] [--ready-file PATH]
+                 [--startup-timeout-s S] [-- extra tritonserver args]
+
+Prints the URLs once every model is ready (and writes them as JSON to --ready-file), exits
+non-zero with the log's tail when the server is not ready in time, and stops the server cleanly
+on Ctrl-C / SIGTERM. Tests use `TritonServer` as a context manager. This module never imports
+Triton: it copies files (exspec.install_backend) and runs a process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .install_backend import TritonDist, find_tritonserver, install
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel hands out as free right now (all held open together, so distinct)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def stub_environment(base: dict | None = None, dist: TritonDist | None = None) -> dict:
+    """Environment in which the Python backend stub runs this interpreter (DESIGN §5 trap).
+
+    The stub embeds the libpython it was linked against and finds its standard library and
+    site-packages from the first `python3` on PATH. So: this interpreter's bin first on PATH,
+    its shared libpython first on LD_LIBRARY_PATH, then the libraries tritonserver ships with.
+    """
+    env = dict(os.environ if base is None else base)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    libs = [sysconfig.get_config_var("LIBDIR") or ""]
+    if dist is not None and dist.libs is not None:
+        libs.append(str(dist.libs))
+    libs.append(env.get("LD_LIBRARY_PATH", ""))
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libs if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+class ServerNotReady(RuntimeError):
+    """tritonserver exited or did not become ready in time; the message ends with its log tail."""
+
+
+class TritonServer:
+    """One tritonserver process serving a model repository with the exspec backend installed.
+
+        with TritonServer("model_repository", free_ports=True) as server:
+            server.urls["http"]   # http://127.0.0.1:PORT
+    """
+
+    def __init__(self, model_repository: str | os.PathLike, *, http_port: int = 8000,
+                 grpc_port: int = 8001, metrics_port: int = 8002, free_ports: bool = False,
+                 ready_file: str | os.PathLike | None = None, startup_timeout_s: float = 300.0,
+                 extra_args: list[str] | tuple[str, ...] = (), tritonserver: str | None = None,
+                 work_dir: str | os.PathLike | None = None, log_path: str | os.PathLike | None = None,
+                 echo_log: bool = False, backend_source: str | os.PathLike | None = None):
+        self.model_repository = Path(model_repository).resolve()
+        self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+        self.use_free_ports = free_ports
+        self.ready_file = Path(ready_file) if ready_file else None
+        self.startup_timeout_s = startup_timeout_s
+        self.extra_args = list(extra_args)
+        self.tritonserver = tritonserver
+        self.work_dir = Path(work_dir) if work_dir else None
+        self.log_path = Path(log_path) if log_path else None
+        self.echo_log = echo_log
+        self.backend_source = backend_source
+        self.process: subprocess.Popen | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._log_file = None
+
+    # -- URLs --------------------------------------------------------------------------------
+    @property
+    def urls(self) -> dict:
+        host = "127.0.0.1"
+        return {"http": f"http://{host}:{self.ports['http']}",
+                "grpc": f"{host}:{self.ports['grpc']}",
+                "metrics": f"http://{host}:{self.ports['metrics']}/metrics"}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "TritonServer":
+        if not (self.model_repository / "").is_dir():
+            raise FileNotFoundError(f"model repository {self.model_repository} does not exist")
+        dist = find_tritonserver(self.tritonserver)
+        if self.work_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="exspec-serve-")
+            self.work_dir = Path(self._tmp.name)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        backends = install(self.work_dir / "backends", dist,
+                           **({"source": self.backend_source} if self.backend_source else {}))
+        if self.use_free_ports:
+            self.ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
+        if self.log_path is None:
+            self.log_path = self.work_dir / "tritonserver.log"
+        self._log_file = open(self.log_path, "ab")
+
+        cmd = [str(dist.binary), f"--model-repository={self.model_repository}",
+               f"--backend-directory={backends}",
+               f"--http-port={self.ports['http']}", f"--grpc-port={self.ports['grpc']}",
+               f"--metrics-port={self.ports['metrics']}", "--allow-metrics=true"]
+        if dist.caches.is_dir():
+            cmd.append(f"--cache-directory={dist.caches}")
+        cmd += self.extra_args
+        # Own process group, so a Ctrl-C in the terminal reaches the launcher only and the
+        # launcher decides how the server stops.
+        self.process = subprocess.Popen(cmd, env=stub_environment(dist=dist), stdout=self._log_file,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        if self.echo_log:
+            threading.Thread(target=self._echo, daemon=True).start()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        if self.ready_file:
+            self.ready_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.ready_file.with_suffix(self.ready_file.suffix + ".tmp")
+            tmp.write_text(json.dumps({**self.urls, "pid": self.process.pid,
+                                       "log": str(self.log_path)}))
+            tmp.replace(self.ready_file)   # readers never see a half-written file
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        url = self.urls["http"] + "/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerNotReady(f"tritonserver exited with code {self.process.returncode} "
+                                     f"before it was ready; log tail:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.25)
+        raise ServerNotReady(f"tritonserver not ready after {self.startup_timeout_s:.0f} s; "
+                             f"log tail:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGINT (Triton unloads models, finalize runs), then SIGKILL the group if it hangs."""
+        code = None
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGINT)
+                try:
+                    self.process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                    self.process.wait(10)
+            code = self.process.returncode
+            # Stubs are children of tritonserver in its group; none may outlive it.
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self.ready_file is not None and self.ready_file.exists():
+            self.ready_file.unlink()
+        return code
+
+    def cleanup(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def is_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 25) -> str:
+        """The log's error lines (Triton prefixes them with E<date>) and then its last lines."""
+        try:
+            text = Path(self.log_path).read_text(errors="replace").splitlines()
+        except (OSError, TypeError):
+            return "(no log)"
+        errors = [line for line in text[:-lines] if line[:1] == "E" and line[1:5].isdigit()]
+        return "\n".join(errors[-20:] + text[-lines:])
+
+    def _echo(self) -> None:
+        with open(self.log_path, "rb") as log:
+            while self.is_running():
+                line = log.readline()
+                if line:
+                    sys.stdout.write(line.decode(errors="replace"))
+                    sys.stdout.flush()
+                else:
+                    time.sleep(0.2)
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self.cleanup()
+
+
+def parse_args(argv: list[str] | None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(prog="exspec-serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-repository", required=True)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--free-ports", action="store_true",
+                        help="pick three free ports instead of the given ones")
+    parser.add_argument("--ready-file", default=None,
+                        help="write the URLs as JSON here once ready (removed on stop)")
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--tritonserver", default=None,
+                        help="tritonserver binary or root (default: $TRITONSERVER, "
+                             "/opt/tritonserver, nvidia-pytriton)")
+    parser.add_argument("--work-dir", default=None,
+                        help="where the backend folder and log go (default: a temporary folder)")
+    parser.add_argument("--backend-source", default=None,
+                        help="folder with model.py and the exspec/ package to install "
+                             "(default: the backend/ folder this package sits in)")
+    parser.add_argument("--quiet", action="store_true", help="do not echo the server log")
+    args = parser.parse_args(argv)
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(argv)
+    server = TritonServer(args.model_repository, http_port=args.http_port,
+                          grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                          free_ports=args.free_ports, ready_file=args.ready_file,
+                          startup_timeout_s=args.startup_timeout_s, extra_args=extra,
+                          tritonserver=args.tritonserver, work_dir=args.work_dir,
+                          echo_log=not args.quiet, backend_source=args.backend_source)
+    stopping = threading.Event()
+
+    def interrupt_start(signum, _frame):
+        raise KeyboardInterrupt   # start() stops the half-started server on the way out
+
+    signal.signal(signal.SIGTERM, interrupt_start)
+    try:
+        server.start()
+    except (ServerNotReady, FileNotFoundError) as exc:
+        print(f"exspec-serve: {exc}", file=sys.stderr)
+        server.cleanup()
+        return 1
+    except KeyboardInterrupt:
+        print("exspec-serve: interrupted before the server was ready", file=sys.stderr)
+        server.cleanup()
+        return 130
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    urls = server.urls
+    print(f"exspec-serve: ready\n  HTTP    {urls['http']}\n  gRPC    {urls['grpc']}\n"
+          f"  metrics {urls['metrics']}\n  log     {server.log_path}", flush=True)
+    while not stopping.is_set() and server.is_running():
+        stopping.wait(0.5)
+    died = not server.is_running()
+    code = server.stop()
+    if died:
+        print(f"exspec-serve: tritonserver exited with code {code}; log tail:\n"
+              f"{server.log_tail()}", file=sys.stderr)
+    else:
+        print(f"exspec-serve: stopped (tritonserver exit code {code})", flush=True)
+    server.cleanup()
+    return 1 if died else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
