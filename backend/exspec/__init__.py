@@ -3,9 +3,10 @@
 The engine is plain PyTorch + transformers and never imports Triton; backend/model.py adapts it.
 """
 from .config import EngineConfig
+from .engine import LLMEngine
 from .errors import EngineBusyError, InvalidRequestError, ModelLoadError
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
 
-__all__ = ["EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["EngineConfig", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
            "InvalidRequestError", "EngineBusyError", "ModelLoadError"]

@@ -1,0 +1,163 @@
+"""LLMEngine: the online API (add_request / abort / step) and the offline `generate`.
+
+step() is the tick: the pool admits and schedules (which group, which k), the runner drafts,
+verifies and accepts, the pool commits, emits and retires. Intake and abort may be called from
+any thread; step() from one.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import traceback
+from collections import deque
+
+from .config import EngineConfig
+from .detokenizer import Detokenizer
+from .errors import EngineBusyError, InvalidRequestError
+from .models import load_pair
+from .outputs import CompletionOutput, RequestOutput
+from .params import SamplingParams
+from .pool import SequencePool
+from .runner import ModelRunner
+from .sequence import Sequence
+from .stats import Stats
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        pair = load_pair(config)
+        self.tokenizer = pair.tokenizer
+        self.target, self.draft = pair.target, pair.draft
+        self.eos_ids = pair.eos_ids
+        self.max_model_len = pair.max_model_len
+        self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len - 1,
+                                     self.max_model_len - 1)
+        self.stats_ = Stats(config.device)
+        pad_id = self.tokenizer.pad_token_id
+        pad_id = pad_id if pad_id is not None else min(self.eos_ids, default=0)
+        self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_)
+        self.pool = SequencePool(config, self.runner, self.stats_)
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._incoming: deque[Sequence] = deque()   # added since the last tick
+        self._aborts: set[str] = set()
+        self._live_ids: set[str] = set()             # every request not yet finished
+        self._auto_ids = itertools.count()
+
+    # -- intake (thread-safe) ---------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> None:
+        """Queue a request; raises InvalidRequestError or EngineBusyError at once."""
+        params = params or SamplingParams()
+        params.validate()
+        prompt_ids = self._prompt_ids(prompt)
+        max_tokens = params.max_tokens or self.config.default_max_tokens
+        if max_tokens > self.config.max_output_tokens:
+            raise InvalidRequestError(f"max_tokens {max_tokens} exceeds the server limit of "
+                                      f"{self.config.max_output_tokens}")
+        seq = Sequence(request_id, prompt_ids, params, max_tokens, self.max_model_len,
+                       self.eos_ids, Detokenizer(self.tokenizer, params.stop), self.config.seed)
+        with self._lock:
+            if request_id in self._live_ids:
+                raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+            if len(self._incoming) + self.pool.num_waiting >= self.config.max_queue_len:
+                raise EngineBusyError(f"server busy: {self.config.max_queue_len} requests are "
+                                      "already waiting; retry later")
+            self._live_ids.add(request_id)
+            self._incoming.append(seq)
+            self._work.notify_all()
+
+    def abort(self, request_id: str) -> None:
+        """Idempotent and thread-safe; the request ends with finish_reason 'abort'."""
+        with self._lock:
+            if request_id in self._live_ids:
+                self._aborts.add(request_id)
+                self._work.notify_all()
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live_ids)
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block until a request is in flight (or the timeout passes), without spinning."""
+        with self._work:
+            return self._work.wait_for(lambda: bool(self._live_ids), timeout)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            ids = list(prompt)
+            vocab = self.target.get_output_embeddings().weight.shape[0]
+            if any(t < 0 or t >= vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab})")
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(ids) > self.max_prompt_tokens:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the limit is "
+                                      f"{self.max_prompt_tokens}")
+        return ids
+
+    # -- the tick -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            incoming, self._incoming = list(self._incoming), deque()
+            aborts, self._aborts = self._aborts, set()
+        self.pool.enqueue(incoming)
+        touched = self.pool.abort(aborts)
+        try:
+            touched += self.pool.tick()
+        except Exception:  # the pool isolates group failures; this is a last resort
+            touched += self.pool.fail_all(traceback.format_exc(limit=3))
+        return self._emit(touched)
+
+    def _emit(self, touched: list[tuple[Sequence, list[int], list[float] | None]]):
+        outputs, done = [], []
+        for seq, new_ids, new_lp in touched:
+            if seq.finished:
+                done.append(seq.request_id)
+            outputs.append(RequestOutput(
+                request_id=seq.request_id, new_token_ids=new_ids,
+                text_delta=seq.detokenizer.take_delta(final=seq.finished),
+                finished=seq.finished, finish_reason=seq.finish_reason, error=seq.error,
+                num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+                num_draft_tokens=seq.num_draft_tokens,
+                num_accepted_draft_tokens=seq.num_accepted_draft_tokens,
+                new_logprobs=new_lp))
+        if done:
+            with self._lock:
+                self._live_ids.difference_update(done)
+        return outputs
+
+    # -- offline ----------------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """All prompts through the online loop; outputs in input order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{next(self._auto_ids)}" for _ in prompts]
+        results = {}
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        while any(rid not in results or not results[rid].finish_reason for rid in ids):
+            for out in self.step():
+                res = results.setdefault(out.request_id, CompletionOutput(out.request_id, []))
+                res.token_ids += out.new_token_ids
+                res.text += out.text_delta
+                if out.new_logprobs is not None:
+                    res.logprobs = (res.logprobs or []) + out.new_logprobs
+                res.num_draft_tokens = out.num_draft_tokens
+                res.num_accepted_draft_tokens = out.num_accepted_draft_tokens
+                if out.finished:
+                    res.finish_reason, res.error = out.finish_reason, out.error
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> dict:
+        with self._lock:
+            queued = len(self._incoming)
+        return self.stats_.snapshot(pool_seqs=self.pool.num_running,
+                                    pool_kv_tokens=self.pool.kv_tokens(),
+                                    queue_len=self.pool.num_waiting + queued)

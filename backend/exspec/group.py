@@ -1,0 +1,76 @@
+"""Group: rows that are stepped together, with their batched caches for both models.
+
+A group is a value with a small algebra (TGI's batch): built by a prefill, rows dropped with
+`keep`, groups joined with `merge`, made rectangular again with `realign`. Every copy those
+make is returned as a byte count, which is what realign_bytes measures.
+"""
+from __future__ import annotations
+
+import itertools
+
+from .kv import PaddedKV
+from .sampler import RowSampling
+from .sequence import Sequence
+
+_ids = itertools.count()
+
+
+class Group:
+    def __init__(self, seqs: list[Sequence], target_kv: PaddedKV, draft_kv: PaddedKV | None):
+        self.id = next(_ids)
+        self.seqs = seqs
+        self.target_kv = target_kv
+        self.draft_kv = draft_kv
+        self._sampling: RowSampling | None = None
+        self.stepped_last_tick = False   # for sticky-group statistics
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def sampling(self, device) -> RowSampling:
+        if self._sampling is None:
+            self._sampling = RowSampling.from_params([s.params for s in self.seqs], device)
+        return self._sampling
+
+    @property
+    def equal_length(self) -> bool:
+        return len({s.num_tokens for s in self.seqs}) == 1
+
+    @property
+    def aligned(self) -> bool:
+        return self.target_kv.aligned and (self.draft_kv is None or self.draft_kv.aligned)
+
+    def kv_tokens(self) -> int:
+        """KV entries held for real tokens, both models (what the pool budgets)."""
+        return sum(s.num_cached_target + (s.num_cached_draft if self.draft_kv else 0)
+                   for s in self.seqs)
+
+    def caches(self):
+        return [kv for kv in (self.target_kv, self.draft_kv) if kv is not None]
+
+    def realign(self) -> int:
+        """EQSPEC's unpad / append / repad of both caches; bytes copied (0 when nothing moves)."""
+        return sum(kv.compact() for kv in self.caches())
+
+    def keep(self, rows: list[int]) -> int:
+        """Keep only `rows` (dropping finished or moved-out sequences); bytes copied."""
+        if len(rows) == len(self.seqs):
+            return 0
+        self.seqs = [self.seqs[i] for i in rows]
+        self._sampling = None
+        return sum(kv.select(rows) for kv in self.caches()) if rows else 0
+
+    @classmethod
+    def merge(cls, groups: list["Group"], target_model, draft_model) -> tuple["Group", int]:
+        """One group from several (row order: as given); returns (group, bytes copied)."""
+        if len(groups) == 1:
+            return groups[0], 0
+        moved = 0
+        target_kv, n = PaddedKV.concat([g.target_kv for g in groups], target_model)
+        moved += n
+        draft_kv = None
+        if groups[0].draft_kv is not None:
+            draft_kv, n = PaddedKV.concat([g.draft_kv for g in groups], draft_model)
+            moved += n
+        seqs = [s for g in groups for s in g.seqs]
+        return cls(seqs, target_kv, draft_kv), moved

@@ -1,0 +1,194 @@
+"""ModelRunner: prefill a group, and one speculative (or plain) step on a group (DESIGN §3.3).
+
+step = draft k tokens with the draft's own cache -> verify [pending, d1..dk] in one target pass
+-> accept -> commit per row -> cut both caches back to I3. The acceptance rule is in sampler.py.
+Positions are explicit per row (I1) and the attention mask comes from the caches' validity (I2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .group import Group
+from .kv import PaddedKV
+from .sampler import RowSampling, accept, probs_from_logits, sample
+from .sequence import Sequence
+from .stats import Stats
+
+
+@dataclass
+class StepResult:
+    committed: list[list[int]]   # per row, after stop truncation
+    num_accepted: list[int]      # per row, accepted drafts (before stop truncation)
+    k: int
+    realign_bytes: int
+
+
+class ModelRunner:
+    def __init__(self, target, draft, pad_id: int, device: str, stats: Stats):
+        self.target = target
+        self.draft = draft
+        self.pad_id = pad_id
+        self.device = torch.device(device)
+        self.stats = stats
+
+    # -- building blocks ----------------------------------------------------------------------
+    def _ragged_input(self, tails: list[list[int]], starts: list[int]):
+        """Left-padded ids, positions and validity for rows feeding different token counts."""
+        width = max(len(t) for t in tails)
+        ids = torch.full((len(tails), width), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((len(tails), width), dtype=torch.long)
+        valid = torch.zeros((len(tails), width), dtype=torch.bool)
+        for row, (tail, start) in enumerate(zip(tails, starts)):
+            n = len(tail)
+            ids[row, width - n:] = torch.tensor(tail)
+            pos[row, width - n:] = torch.arange(start, start + n)
+            valid[row, width - n:] = True
+        padded = min(len(t) for t in tails) < width
+        return ids.to(self.device), pos.to(self.device), valid.to(self.device), padded
+
+    def _forward(self, model, kv: PaddedKV, ids, pos, valid, padded: bool, keep: int):
+        out = model(input_ids=ids, attention_mask=kv.attention_mask(valid), position_ids=pos,
+                    cache=kv.cache, use_cache=True, logits_to_keep=keep)
+        kv.appended(valid, padded)
+        return out.logits
+
+    def _uniforms(self, seqs: list[Sequence], count: int) -> torch.Tensor:
+        """[B, count] uniforms: each sampled row draws from its own seeded generator, in order,
+        so a request's output does not depend on what else is in the batch."""
+        u = torch.full((len(seqs), count), 0.5)
+        for row, seq in enumerate(seqs):
+            if seq.generator is not None:
+                u[row] = torch.rand(count, generator=seq.generator)
+        return u.to(self.device)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return logits.float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+    # -- prefill --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> Group:
+        """Prefill new sequences, batched, for both models; commits each one's first token."""
+        with self.stats.timer("prefill"):
+            prompts = [s.tokens for s in seqs]
+            ids, pos, valid, padded = self._ragged_input(prompts, [0] * len(seqs))
+            target_kv = PaddedKV.empty(self.target, len(seqs), self.device)
+            logits = self._forward(self.target, target_kv, ids, pos, valid, padded, keep=1)
+            draft_kv = None
+            if self.draft is not None:
+                draft_kv = PaddedKV.empty(self.draft, len(seqs), self.device)
+                self._forward(self.draft, draft_kv, ids, pos, valid, padded, keep=1)
+            group = Group(seqs, target_kv, draft_kv)
+            rows = group.sampling(self.device)
+            probs = probs_from_logits(logits, rows, rows.all_greedy)[:, 0]
+            first = sample(probs, self._uniforms(seqs, 1)[:, 0])
+            want_lp = any(s.params.logprobs for s in seqs)
+            lp = self._logprobs(logits[:, 0], first).tolist() if want_lp else None
+            for row, (seq, token) in enumerate(zip(seqs, first.tolist())):
+                seq.num_cached_target = seq.num_cached_draft = len(seq.tokens)
+                seq.append([token], [lp[row]] if lp else None)
+            n = sum(len(p) for p in prompts)
+            self.stats.add("prefill_tokens_target", n)
+            if self.draft is not None:
+                self.stats.add("prefill_tokens_draft", n)
+        return group
+
+    def catch_up_draft(self, group: Group) -> None:
+        """After plain steps the draft lags; feed it what it missed (one batched prefill)."""
+        lags = [s.num_tokens - s.num_cached_draft for s in group.seqs]
+        if max(lags) <= 2:
+            return  # the first draft forward of the next step feeds up to two tokens anyway
+        with self.stats.timer("prefill"):
+            tails = [s.tokens[s.num_cached_draft:-1] for s in group.seqs]
+            ids, pos, valid, padded = self._ragged_input(tails, [s.num_cached_draft for s in group.seqs])
+            self._forward(self.draft, group.draft_kv, ids, pos, valid, padded, keep=1)
+            for seq, tail in zip(group.seqs, tails):
+                seq.num_cached_draft += len(tail)
+            self.stats.add("prefill_tokens_draft", sum(len(t) for t in tails))
+
+    # -- one step ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, group: Group, k: int) -> StepResult:
+        seqs = group.seqs
+        rows = group.sampling(self.device)
+        greedy = rows.all_greedy
+        u = self._uniforms(seqs, 2 * k + 1)
+
+        if k > 0:
+            self.catch_up_draft(group)
+            with self.stats.timer("draft"):
+                draft_tokens, q = self._draft(group, k, rows, greedy, u[:, :k])
+
+        with self.stats.timer("verify"):
+            pending = torch.tensor([[s.pending_token] for s in seqs], device=self.device)
+            ids = pending if k == 0 else torch.cat([pending, draft_tokens], dim=1)
+            start = torch.tensor([s.num_tokens - 1 for s in seqs], device=self.device)
+            pos = start[:, None] + torch.arange(k + 1, device=self.device)
+            valid = torch.ones_like(ids, dtype=torch.bool)
+            logits = self._forward(self.target, group.target_kv, ids, pos, valid, False, keep=k + 1)
+            p = probs_from_logits(logits, rows, greedy)
+            if k == 0:
+                num_accepted = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+                tokens = sample(p[:, 0], u[:, 0]).unsqueeze(1)
+            else:
+                num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
+            want_lp = any(s.params.logprobs for s in seqs)
+            lp = self._logprobs(logits, tokens).tolist() if want_lp else None
+            # the one host transfer of the step
+            host = torch.cat([num_accepted[:, None], tokens], dim=1).tolist()
+
+        committed, accepted = [], []
+        target_cut, draft_cut = [], []
+        for row, seq in enumerate(seqs):
+            a = min(host[row][0], self._row_k(seq, k))
+            m = seq.num_tokens
+            accepted.append(a)
+            committed.append(seq.append(host[row][1:a + 2], lp[row][:a + 1] if lp else None))
+            target_cut.append(k - a)                       # target holds m+k, keeps m+a
+            seq.num_cached_target = m + a
+            if k > 0:
+                draft_cut.append(max(0, k - 1 - a))        # draft holds m+k-1, keeps <= m+a
+                seq.num_cached_draft = min(m + k - 1, m + a)
+                seq.num_draft_tokens += k
+                seq.num_accepted_draft_tokens += a
+        group.target_kv.drop_tail(target_cut)
+        if k > 0:
+            group.draft_kv.drop_tail(draft_cut)
+        self._count(seqs, k, accepted, committed)
+        return StepResult(committed, accepted, k, realign_bytes=0)
+
+    def _draft(self, group: Group, k: int, rows: RowSampling, greedy: bool, u: torch.Tensor):
+        """k draft tokens per row, feeding the draft only what its cache lacks."""
+        seqs = group.seqs
+        tails = [s.tokens[s.num_cached_draft:] for s in seqs]
+        ids, pos, valid, padded = self._ragged_input(tails, [s.num_cached_draft for s in seqs])
+        next_pos = torch.tensor([s.num_tokens for s in seqs], device=self.device)
+        tokens, probs = [], []
+        for j in range(k):
+            logits = self._forward(self.draft, group.draft_kv, ids, pos, valid, padded, keep=1)
+            q = probs_from_logits(logits, rows, greedy)[:, 0]
+            token = sample(q, u[:, j])
+            tokens.append(token)
+            probs.append(q)
+            if j + 1 < k:
+                ids, pos = token[:, None], (next_pos + j)[:, None]
+                valid, padded = torch.ones_like(ids, dtype=torch.bool), False
+        return torch.stack(tokens, 1), torch.stack(probs, 1)
+
+    @staticmethod
+    def _row_k(seq: Sequence, k: int) -> int:
+        cap = seq.params.num_speculative_tokens
+        return k if cap is None else min(k, cap)
+
+    def _count(self, seqs, k, accepted, committed) -> None:
+        s = self.stats
+        s.add("steps")
+        s.add("row_steps", len(seqs))
+        s.add("committed_tokens", sum(len(c) for c in committed))
+        if k == 0:
+            s.add("plain_steps")
+        else:
+            s.add("draft_tokens", k * len(seqs))
+            s.add("accepted_tokens", sum(accepted))

@@ -1,0 +1,93 @@
+"""Token distributions and the speculative acceptance rule, as pure functions over tensors.
+
+Greedy rows use one-hot distributions (at the argmax), so one acceptance rule serves greedy and
+sampled rows alike: with one-hot p and q, "accept with min(1, p/q)" is "accept iff the target's
+argmax equals the draft", and the residual is the target's argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling settings of a group, as device tensors (built once per group)."""
+    greedy: torch.Tensor       # [B] bool
+    temperature: torch.Tensor  # [B] float (1.0 where greedy, unused there)
+    top_k: torch.Tensor        # [B] long, 0 = off
+    top_p: torch.Tensor        # [B] float
+
+    @classmethod
+    def from_params(cls, params_list, device) -> "RowSampling":
+        return cls(
+            greedy=torch.tensor([p.greedy for p in params_list], device=device),
+            temperature=torch.tensor([p.temperature if not p.greedy else 1.0 for p in params_list],
+                                     device=device, dtype=torch.float32),
+            top_k=torch.tensor([max(p.top_k, 0) for p in params_list], device=device),
+            top_p=torch.tensor([p.top_p for p in params_list], device=device, dtype=torch.float32),
+        )
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.greedy.all())
+
+
+def probs_from_logits(logits: torch.Tensor, rows: RowSampling, all_greedy: bool) -> torch.Tensor:
+    """[B, T, V] logits -> [B, T, V] float32 probabilities after temperature, top-k and top-p."""
+    logits = logits.float()
+    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    if all_greedy:
+        return one_hot
+    scaled = logits / rows.temperature[:, None, None]
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)
+    k = torch.where(rows.top_k > 0, rows.top_k, torch.full_like(rows.top_k, vocab))
+    drop = rank >= k[:, None, None]
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    # top-p keeps the smallest prefix whose mass reaches top_p (always at least one token)
+    drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= rows.top_p[:, None, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.empty_like(scaled).scatter_(-1, order, sorted_logits.softmax(-1))
+    return torch.where(rows.greedy[:, None, None], one_hot, probs)
+
+
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [..., V], u [...] uniform in [0, 1) -> token ids [...]."""
+    cdf = probs.cumsum(-1)
+    u = u.unsqueeze(-1) * cdf[..., -1:]  # scale by the total so rounding never runs off the end
+    return (cdf <= u).sum(-1).clamp_max(probs.shape[-1] - 1)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): what to sample from after a rejection."""
+    r = (p - q).clamp_min(0.0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp_min(1e-30), p)
+
+
+def accept(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+           u_accept: torch.Tensor, u_final: torch.Tensor):
+    """Speculative rejection sampling for a group.
+
+    draft_tokens [B, k], q [B, k, V] (draft probs), p [B, k+1, V] (target probs),
+    u_accept [B, k], u_final [B]. Returns (num_accepted [B], tokens [B, k+1]) where row b's
+    committed tokens are tokens[b, :num_accepted[b] + 1].
+
+    Accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection sample
+    from norm(max(0, p_j - q_j)); if all k are accepted, sample the bonus token from p_k.
+    """
+    batch, k = draft_tokens.shape
+    p_d = p[:, :k].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    q_d = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    ok = u_accept * q_d < p_d            # u < p/q without dividing by a zero q
+    num_accepted = ok.long().cumprod(-1).sum(-1)
+    rows = torch.arange(batch, device=p.device)
+    p_at = p[rows, num_accepted]
+    q_at = q[rows, num_accepted.clamp_max(k - 1)] * (num_accepted < k).unsqueeze(-1)
+    final = sample(residual_distribution(p_at, q_at), u_final)
+    tokens = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)
+    tokens.scatter_(1, num_accepted.unsqueeze(-1), final.unsqueeze(-1))
+    return num_accepted, tokens

@@ -1,0 +1,96 @@
+"""Sequence: one request's whole state, as explicit counters (DESIGN §3.1).
+
+Padding is never inferred from token values and EOS is never searched for in the prompt: each
+sequence knows how many of its tokens each model has cached, and stops by the rules of I5.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .detokenizer import Detokenizer
+from .params import SamplingParams
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 max_tokens: int, max_model_len: int, eos_ids: set[int], detokenizer: Detokenizer,
+                 default_seed: int):
+        self.request_id = request_id
+        self.params = params
+        self.tokens: list[int] = list(prompt_ids)   # prompt + committed output
+        self.num_prompt_tokens = len(prompt_ids)
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
+        self.detokenizer = detokenizer
+        # Entries each model's KV cache holds for this sequence (I3: all but the pending token;
+        # the draft may lag one more after a fully accepted step, caught up by its next draft).
+        self.num_cached_target = 0
+        self.num_cached_draft = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.skipped_ticks = 0
+        self.logprobs: list[float] = []
+        self.arrival_time = time.monotonic()
+        seed = params.seed if params.seed is not None else default_seed
+        self.generator = None if params.greedy else torch.Generator().manual_seed(seed)
+
+    # -- derived quantities -------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+    @property
+    def pending_token(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def room(self) -> int:
+        """Tokens this sequence may still commit before max_tokens or max_model_len."""
+        return min(self.max_tokens - self.num_output_tokens, self.max_model_len - self.num_tokens)
+
+    # -- the one method that changes the token list ---------------------------------------
+    def append(self, new_tokens: list[int], logprobs: list[float] | None = None) -> list[int]:
+        """Commit tokens in order, stopping at the first stop condition (I5).
+
+        Returns the tokens actually committed; anything after the stop point is dropped.
+        """
+        committed = []
+        check_text = bool(self.detokenizer.stop)
+        for i, token in enumerate(new_tokens):
+            self.tokens.append(token)
+            committed.append(token)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[i])
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+            elif check_text and self.detokenizer.update(self.output_ids):
+                self.finish_reason = "stop"   # a stop string matched; later tokens are dropped
+            elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
+                self.finish_reason = "length"
+            if self.finished:
+                break
+        if not check_text or self.finished:
+            self.detokenizer.update(self.output_ids)
+        return committed
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        if not self.finished:
+            self.finish_reason = reason
+            self.error = error
