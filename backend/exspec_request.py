@@ -1,0 +1,257 @@
+"""Turn one Triton request's inputs and parameters into what the engine takes (adapter helper).
+
+Plain Python and numpy, no Triton import, so it is tested without a server. Every problem is an
+InvalidRequestError whose message names the input or parameter and says what would be accepted;
+model.py turns it into exactly one INVALID_ARG response.
+
+Values may arrive typed (sampling_parameters JSON, HTTP generate JSON) or as strings (gRPC
+request parameters, clients that stringify everything): "0.1", "false", "[\"\\n\\n\"]" and
+"[1, 2]" parse like their JSON counterparts.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from exspec import InvalidRequestError, SamplingParams
+
+# Boolean request inputs (all TYPE_BOOL [1], optional), in the vLLM backend's names.
+FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason",
+               "return_num_input_tokens", "return_num_output_tokens", "return_logprobs",
+               "return_cumulative_logprob")
+
+_INT, _FLOAT, _BOOL, _STRS, _INTS = "integer", "number", "boolean", "strings", "integers"
+SAMPLING_KEYS = {
+    "max_tokens": _INT, "temperature": _FLOAT, "top_p": _FLOAT, "top_k": _INT, "seed": _INT,
+    "stop": _STRS, "stop_token_ids": _INTS, "ignore_eos": _BOOL,
+    "num_speculative_tokens": _INT, "logprobs": _BOOL,
+}
+# Request parameters Triton's frontends or clients add on their own; never sampling parameters.
+_TRANSPORT_PARAMETERS = {"binary_data_output", "binary_data", "binary_data_size", "priority",
+                         "timeout", "headers", "sequence_id", "sequence_start", "sequence_end",
+                         "triton_enable_empty_final_response", "classification"}
+_INT_RE = re.compile(r"^[+-]?\d+$")
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool | None = None   # None: absent
+    return_finish_reason: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    return_logprobs: bool = False
+    return_cumulative_logprob: bool = False
+
+    @property
+    def prepend_prompt(self) -> bool:
+        """The prompt goes in front of text_output only when not streaming and not excluded."""
+        return not self.stream and not self.exclude_input_in_output
+
+
+def parse_request(inputs: dict, parameters: str | dict | None) -> ParsedRequest:
+    """inputs: name -> numpy array (absent inputs missing or None); parameters: request
+    parameters as Triton's JSON string or a dict."""
+    flags = {name: _flag_input(inputs, name) for name in FLAG_INPUTS}
+    prompt = _prompt(inputs)
+    sampling = _sampling_json(inputs.get("sampling_parameters"))
+    for key, value in _request_parameters(parameters).items():
+        if key in sampling and sampling[key] != value:
+            raise InvalidRequestError(
+                f"sampling parameter {key!r} given twice with different values "
+                f"(sampling_parameters: {sampling[key]!r}, request parameter: {value!r})")
+        sampling[key] = value
+    values = {key: coerce(key, value) for key, value in sampling.items()}
+    if flags["return_logprobs"] or flags["return_cumulative_logprob"]:
+        values["logprobs"] = True
+    params = SamplingParams(**values)   # validates ranges; raises InvalidRequestError
+
+    stream = bool(flags.pop("stream"))
+    exclude = flags.pop("exclude_input_in_output")
+    if stream and exclude is False:
+        raise InvalidRequestError(
+            "exclude_input_in_output=false is not supported with stream=true: streamed "
+            "responses carry only new text (leave it out or set it to true)")
+    return ParsedRequest(prompt=prompt, params=params, stream=stream,
+                         exclude_input_in_output=exclude,
+                         **{name: bool(value) for name, value in flags.items()})
+
+
+def _prompt(inputs: dict) -> str | list[int]:
+    text = inputs.get("text_input")
+    ids = inputs.get("input_ids")
+    if text is not None and ids is not None:
+        raise InvalidRequestError("give either text_input or input_ids, not both")
+    if ids is not None:
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size == 0:
+            raise InvalidRequestError("input_ids is empty")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidRequestError(f"input_ids must be INT64, got {ids.dtype}")
+        return [int(t) for t in ids]
+    if text is None:
+        raise InvalidRequestError("missing prompt: send text_input (STRING [1]) or input_ids "
+                                  "(INT64 [-1])")
+    text = np.asarray(text, dtype=object).reshape(-1)
+    if text.size != 1:
+        raise InvalidRequestError(f"text_input must hold exactly one string, got {text.size}")
+    value = text[0]
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequestError(f"text_input is not valid UTF-8: {exc}") from None
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"text_input must be a string, got {type(value).__name__}")
+    if not value:
+        raise InvalidRequestError("text_input is empty")
+    return value
+
+
+def _flag_input(inputs: dict, name: str) -> bool | None:
+    value = inputs.get(name)
+    if value is None:
+        return None
+    flat = np.asarray(value).reshape(-1)
+    if flat.size != 1:
+        raise InvalidRequestError(f"{name} must hold exactly one BOOL, got {flat.size} values")
+    return parse_bool(name, flat[0].item() if hasattr(flat[0], "item") else flat[0])
+
+
+def _sampling_json(value) -> dict:
+    if value is None:
+        return {}
+    flat = np.asarray(value, dtype=object).reshape(-1)
+    if flat.size != 1:
+        raise InvalidRequestError("sampling_parameters must hold exactly one JSON string")
+    raw = flat[0]
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8", errors="replace")
+    if not str(raw).strip():
+        return {}
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"sampling_parameters is not valid JSON ({exc.msg} at "
+                                  f"position {exc.pos}): {str(raw)[:200]!r}") from None
+    if not isinstance(parsed, dict):
+        raise InvalidRequestError("sampling_parameters must be a JSON object, got "
+                                  f"{type(parsed).__name__}")
+    for key in parsed:
+        _check_known(key, "sampling_parameters")
+    return parsed
+
+
+def _request_parameters(parameters) -> dict:
+    if not parameters:
+        return {}
+    if isinstance(parameters, str):
+        try:
+            parameters = json.loads(parameters)
+        except json.JSONDecodeError:
+            raise InvalidRequestError("request parameters are not valid JSON") from None
+    out = {}
+    for key, value in parameters.items():
+        if key in _TRANSPORT_PARAMETERS or key.startswith(("shared_memory", "triton_")):
+            continue
+        _check_known(key, "request parameters")
+        out[key] = value
+    return out
+
+
+def _check_known(key: str, where: str) -> None:
+    if key not in SAMPLING_KEYS:
+        raise InvalidRequestError(f"unknown sampling parameter {key!r} in {where}; known: "
+                                  f"{', '.join(sorted(SAMPLING_KEYS))}")
+
+
+def coerce(key: str, value):
+    """One sampling parameter to its type, accepting the string spellings clients send."""
+    kind = SAMPLING_KEYS[key]
+    if kind == _BOOL:
+        return parse_bool(key, value)
+    if kind == _INT:
+        return _parse_int(key, value)
+    if kind == _FLOAT:
+        return _parse_float(key, value)
+    if kind == _STRS:
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                value = _json_list(key, value)
+            else:
+                return [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise InvalidRequestError(f"{key} must be a string or a list of strings, got {value!r}")
+        return value
+    # _INTS
+    if isinstance(value, str):
+        text = value.strip()
+        value = _json_list(key, text) if text.startswith("[") else (
+            [v for v in text.split(",") if v.strip()] if text else [])
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{key} must be a list of integers, got {value!r}")
+    return [_parse_int(key, v) for v in value]
+
+
+def parse_bool(key: str, value) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", errors="replace")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+    raise InvalidRequestError(f"{key} must be true or false, got {value!r}")
+
+
+def _parse_int(key: str, value) -> int:
+    if isinstance(value, bool):
+        raise InvalidRequestError(f"{key} must be an integer, got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and _INT_RE.match(value.strip()):
+        return int(value.strip())
+    raise InvalidRequestError(f"{key} must be an integer, got {value!r}")
+
+
+def _parse_float(key: str, value) -> float:
+    if isinstance(value, bool):
+        raise InvalidRequestError(f"{key} must be a number, got {value!r}")
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            raise InvalidRequestError(f"{key} must be a number, got {value!r}") from None
+    else:
+        raise InvalidRequestError(f"{key} must be a number, got {value!r}")
+    if not math.isfinite(number):
+        raise InvalidRequestError(f"{key} must be a finite number, got {value!r}")
+    return number
+
+
+def _json_list(key: str, text: str) -> list:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise InvalidRequestError(f"{key}: {text[:100]!r} looks like a JSON list but does not "
+                                  "parse") from None
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{key} must be a list, got {text[:100]!r}")
+    return value

@@ -1,0 +1,430 @@
+"""The exspec Triton backend: a thin adapter between Triton's decoupled Python API and LLMEngine.
+
+Three threads, each with one job:
+- Triton's thread calls `execute`, which parses each request, registers it with the send
+  thread, hands it to the engine and returns None at once;
+- the engine thread runs ticks (`engine.step()`) and queues each tick's outputs together with a
+  stats snapshot; it never sends;
+- the send thread owns every in-flight request's state: it turns outputs into responses, polls
+  `is_cancelled` (a round trip, so on a timer, not per token) and aborts cancelled requests,
+  and updates the metrics.
+No decoding or scheduling lives here. DESIGN §4 has the contract and the response rules.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from exspec import EngineBusyError, EngineConfig, InvalidRequestError, RequestOutput
+from exspec.engine import LLMEngine
+from exspec_metrics import Metrics
+from exspec_request import FLAG_INPUTS, ParsedRequest, parse_request
+
+MODEL_JSON = "model.json"
+PATH_KEYS = ("target_model", "draft_model", "tokenizer")
+CANCEL_POLL_S = 0.1          # how often the send thread asks Triton about cancellations
+FINALIZE_DRAIN_S = 10.0      # how long finalize lets aborted requests reach their final response
+
+INPUTS = [
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    *({"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for name in FLAG_INPUTS),
+]
+OUTPUTS = [
+    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "output_ids", "data_type": "TYPE_INT64", "dims": [-1]},
+    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "acceptance_rate", "data_type": "TYPE_FP32", "dims": [1]},
+    {"name": "total_accepted_draft_tokens", "data_type": "TYPE_INT32", "dims": [1]},
+    {"name": "total_draft_tokens", "data_type": "TYPE_INT32", "dims": [1]},
+]
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+@dataclass
+class Stream:
+    """One in-flight request, owned by the send thread once registered."""
+    request_id: str
+    sender: object
+    req: ParsedRequest
+    prompt_text: str | None              # for prepending when not streaming
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    texts: list = field(default_factory=list)       # totals, when not streaming
+    ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    cancelled: bool = False              # the client went away; we asked the engine to abort
+    shutting_down: bool = False          # finalize aborted it
+    failure: str | None = None           # set when the adapter failed the request itself
+
+
+# Items on the send queue besides ticks.
+@dataclass
+class _Register:
+    stream: Stream
+
+
+@dataclass
+class _Reject:
+    stream: Stream
+    error: Exception
+
+
+@dataclass
+class _Tick:
+    outputs: list
+    stats: dict | None
+
+
+@dataclass
+class _StepFailed:
+    message: str
+
+
+class _AbortAll:
+    """finalize: abort everything in flight; each request still gets its final response."""
+
+
+_STOP = object()
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        present = config.as_dict()
+        have_in = {i["name"] for i in present.get("input", [])}
+        have_out = {o["name"] for o in present.get("output", [])}
+        for spec in INPUTS:
+            if spec["name"] not in have_in:
+                config.add_input(spec)
+        for spec in OUTPUTS:
+            if spec["name"] not in have_out:
+                config.add_output(spec)
+        config.set_model_transaction_policy({"decoupled": True})
+        config.set_max_batch_size(0)
+        return config
+
+    # -- setup ------------------------------------------------------------------------------
+    def initialize(self, args):
+        self.model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise ValueError("the exspec backend streams: set model_transaction_policy "
+                             "{ decoupled: true } in config.pbtxt (or leave it out)")
+        self.model_name = args["model_name"]
+        engine_config = self._engine_config(args)
+        pb_utils.Logger.log_info(f"exspec: loading {engine_config}")
+        self.engine = LLMEngine(engine_config)
+        self.tokenizer = self.engine.tokenizer
+        self.k = engine_config.num_speculative_tokens if engine_config.speculative else 0
+        self.metrics = Metrics(self.model_name, args["model_version"])
+        self._ids = itertools.count()
+        self._intake_open = True
+        self._sends: queue.Queue = queue.Queue()
+        self._stop_engine = threading.Event()   # read by the engine thread only
+        self._streams: dict[str, Stream] = {}    # owned by the send thread
+        self._engine_thread = threading.Thread(target=self._engine_loop, name="exspec-engine",
+                                               daemon=True)
+        self._send_thread = threading.Thread(target=self._send_loop, name="exspec-send",
+                                             daemon=True)
+        self._engine_thread.start()
+        self._send_thread.start()
+        pb_utils.Logger.log_info(f"exspec: model {self.model_name} ready on {engine_config.device}")
+
+    @staticmethod
+    def _engine_config(args) -> EngineConfig:
+        """model.json beside the version folder, paths resolved, device from the instance kind."""
+        folder = os.path.join(args["model_repository"], args["model_version"])
+        path = os.path.join(folder, MODEL_JSON)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: the exspec backend reads its engine "
+                                    "arguments (EngineConfig fields) from it")
+        with open(path) as f:
+            try:
+                values = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"{path} must hold a JSON object of EngineConfig fields")
+        for key in PATH_KEYS:
+            value = values.get(key)
+            if isinstance(value, str) and (value.startswith((".", os.sep))
+                                           or os.path.exists(os.path.join(folder, value))):
+                values[key] = os.path.normpath(os.path.join(folder, value))
+        kind = args.get("model_instance_kind", "CPU")
+        wanted = values.get("device")
+        if kind == "GPU":
+            device = f"cuda:{int(args.get('model_instance_device_id', 0))}"
+            if wanted and not str(wanted).startswith("cuda"):
+                raise ValueError(f"{path} asks for device {wanted!r} but the instance is KIND_GPU; "
+                                 "use KIND_CPU in config.pbtxt or drop 'device'")
+            values["device"] = device
+        elif kind == "CPU":
+            if wanted and wanted != "cpu":
+                raise ValueError(f"{path} asks for device {wanted!r} but the instance is KIND_CPU; "
+                                 "use KIND_GPU in config.pbtxt or drop 'device'")
+            values["device"] = "cpu"
+        return EngineConfig.from_dict(values)   # unknown keys: ValueError naming them
+
+    # -- intake (Triton's thread) -----------------------------------------------------------
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                if not self._intake_open:
+                    raise EngineBusyError("the model is shutting down; retry on another server")
+                parsed = parse_request(_inputs(request), request.parameters())
+            except (InvalidRequestError, EngineBusyError) as exc:
+                self.metrics.rejected()
+                _send_error(sender, exc)
+                continue
+            except Exception as exc:  # a bug in parsing must still answer this request once
+                pb_utils.Logger.log_error(f"exspec: parsing failed: {traceback.format_exc()}")
+                self.metrics.rejected()
+                _send_error(sender, exc)
+                continue
+            request_id = f"{next(self._ids)}:{request.request_id()}"
+            stream = Stream(request_id, sender, parsed,
+                            parsed.prompt if isinstance(parsed.prompt, str) else None)
+            # Registered before the engine sees it, so its first output finds it.
+            self._sends.put(_Register(stream))
+            try:
+                self.engine.add_request(request_id, parsed.prompt, parsed.params)
+            except (InvalidRequestError, EngineBusyError) as exc:
+                self._sends.put(_Reject(stream, exc))
+            except Exception as exc:
+                pb_utils.Logger.log_error(f"exspec: add_request failed: {traceback.format_exc()}")
+                self._sends.put(_Reject(stream, exc))
+        return None
+
+    # -- the engine thread ------------------------------------------------------------------
+    def _engine_loop(self):
+        try:
+            while True:
+                if not self.engine.has_unfinished():
+                    if self._stop_engine.is_set():
+                        break
+                    self.engine.wait_for_work(timeout=0.5)
+                    continue
+                try:
+                    outputs = self.engine.step()
+                    stats = self.engine.stats()
+                except Exception:
+                    message = traceback.format_exc(limit=5)
+                    pb_utils.Logger.log_error(f"exspec: engine step failed: {message}")
+                    self._sends.put(_StepFailed(message.strip().splitlines()[-1]))
+                    time.sleep(0.05)
+                    continue
+                self._sends.put(_Tick(outputs, stats))
+        finally:
+            self._sends.put(_STOP)
+
+    # -- the send thread --------------------------------------------------------------------
+    def _send_loop(self):
+        next_poll = time.monotonic() + CANCEL_POLL_S
+        while True:
+            try:
+                item = self._sends.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                break
+            try:
+                self._handle(item)
+                if time.monotonic() >= next_poll:
+                    self._poll_cancellations()
+                    next_poll = time.monotonic() + CANCEL_POLL_S
+            except Exception:
+                pb_utils.Logger.log_error(f"exspec: send path: {traceback.format_exc()}")
+        for stream in list(self._streams.values()):   # nothing may end without a final flag
+            self._finish_with_error(stream, pb_utils.TritonError(
+                "the model was unloaded before this request finished",
+                pb_utils.TritonError.UNAVAILABLE), "error")
+        self.metrics.idle()
+
+    def _handle(self, item):
+        if item is None:
+            return
+        if isinstance(item, _Tick):
+            for output in item.outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    self._on_output(stream, output)
+            if item.stats is not None:
+                self.metrics.tick(item.stats, self.k)
+            if not self._streams:
+                self.metrics.idle()
+        elif isinstance(item, _Register):
+            self._streams[item.stream.request_id] = item.stream
+        elif isinstance(item, _Reject):
+            self.metrics.rejected()
+            self._streams.pop(item.stream.request_id, None)
+            _send_error(item.stream.sender, item.error)
+        elif isinstance(item, _AbortAll):
+            for stream in self._streams.values():
+                stream.shutting_down = True
+                self.engine.abort(stream.request_id)
+        elif isinstance(item, _StepFailed):
+            for stream in list(self._streams.values()):
+                self.engine.abort(stream.request_id)
+                self._finish_with_error(stream, pb_utils.TritonError(
+                    f"engine step failed: {item.message}"), "error")
+
+    def _poll_cancellations(self):
+        for stream in self._streams.values():
+            if not stream.cancelled and stream.sender.is_cancelled():
+                stream.cancelled = True
+                self.engine.abort(stream.request_id)
+
+    def _on_output(self, stream: Stream, out: RequestOutput):
+        if out.new_token_ids and stream.first_token_at is None:
+            stream.first_token_at = time.monotonic()
+            self.metrics.first_token(stream.first_token_at - stream.arrived)
+        if out.new_logprobs:
+            stream.cumulative_logprob += float(sum(out.new_logprobs))
+        if not out.finished:
+            if stream.req.stream:
+                if out.new_token_ids:     # one response per step that committed tokens
+                    self._send(stream, self._response(stream, out, final=False), final=False)
+            else:
+                stream.texts.append(out.text_delta)
+                stream.ids += out.new_token_ids
+                stream.logprobs += out.new_logprobs or []
+            return
+        if out.finish_reason == "abort" or out.finish_reason == "error":
+            if stream.cancelled:
+                error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+                outcome = "cancelled"
+            elif out.finish_reason == "abort":
+                why = "the model is shutting down" if stream.shutting_down else "aborted"
+                error = pb_utils.TritonError(f"request not completed: {why}",
+                                             pb_utils.TritonError.UNAVAILABLE)
+                outcome = "abort"
+            else:
+                pb_utils.Logger.log_error(f"exspec: request {stream.request_id} failed: {out.error}")
+                last_line = (out.error or "unknown error").strip().splitlines()[-1]
+                error = pb_utils.TritonError(f"generation failed: {last_line}")
+                outcome = "error"
+            self._finish_with_error(stream, error, outcome, out)
+            return
+        if not stream.req.stream:
+            stream.texts.append(out.text_delta)
+            stream.ids += out.new_token_ids
+            stream.logprobs += out.new_logprobs or []
+        self._send(stream, self._response(stream, out, final=True), final=True)
+        self._streams.pop(stream.request_id, None)
+        self._record_finished(stream, out.finish_reason, out)
+
+    def _response(self, stream: Stream, out: RequestOutput, final: bool):
+        req = stream.req
+        if req.stream:
+            text, ids, logprobs = out.text_delta, out.new_token_ids, out.new_logprobs or []
+            num_output = len(out.new_token_ids)
+        else:
+            text = "".join(stream.texts)
+            if req.prepend_prompt:
+                text = self._prompt_text(stream) + text
+            ids, logprobs, num_output = stream.ids, stream.logprobs, out.num_output_tokens
+        tensors = [
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int64)),
+            pb_utils.Tensor("acceptance_rate", np.array(
+                [out.num_accepted_draft_tokens / out.num_draft_tokens if out.num_draft_tokens else 0.0],
+                dtype=np.float32)),
+            pb_utils.Tensor("total_accepted_draft_tokens",
+                            np.array([out.num_accepted_draft_tokens], dtype=np.int32)),
+            pb_utils.Tensor("total_draft_tokens", np.array([out.num_draft_tokens], dtype=np.int32)),
+        ]
+        if req.return_finish_reason:
+            reason = out.finish_reason if final else "None"
+            tensors.append(pb_utils.Tensor("finish_reason",
+                                           np.array([str(reason).encode()], dtype=np.object_)))
+        if req.return_num_input_tokens:
+            tensors.append(pb_utils.Tensor("num_input_tokens",
+                                           np.array([out.num_prompt_tokens], dtype=np.uint32)))
+        if req.return_num_output_tokens:
+            tensors.append(pb_utils.Tensor("num_output_tokens",
+                                           np.array([num_output], dtype=np.uint32)))
+        if req.return_logprobs:
+            tensors.append(pb_utils.Tensor("logprobs", np.array(
+                [json.dumps([float(x) for x in logprobs]).encode()], dtype=np.object_)))
+        if req.return_cumulative_logprob:
+            tensors.append(pb_utils.Tensor("cumulative_logprob",
+                                           np.array([stream.cumulative_logprob], dtype=np.float32)))
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def _prompt_text(self, stream: Stream) -> str:
+        if stream.prompt_text is None:   # the prompt came as input_ids
+            stream.prompt_text = self.tokenizer.decode(stream.req.prompt)
+        return stream.prompt_text
+
+    def _send(self, stream: Stream, response, final: bool):
+        try:
+            stream.sender.send(response, flags=_FINAL if final else 0)
+        except Exception as exc:   # the client is gone; the request still ends here
+            pb_utils.Logger.log_warn(f"exspec: send to {stream.request_id} failed: {exc}")
+
+    def _finish_with_error(self, stream: Stream, error, outcome: str, out: RequestOutput | None = None):
+        self._streams.pop(stream.request_id, None)
+        self._send(stream, pb_utils.InferenceResponse(output_tensors=[], error=error), final=True)
+        self._record_finished(stream, outcome, out)
+
+    def _record_finished(self, stream: Stream, outcome: str, out: RequestOutput | None):
+        now = time.monotonic()
+        self.metrics.finished(
+            outcome, out.num_prompt_tokens if out else 0, out.num_output_tokens if out else 0,
+            now - stream.arrived,
+            None if stream.first_token_at is None else stream.first_token_at - stream.arrived)
+
+    # -- shutdown ---------------------------------------------------------------------------
+    def finalize(self):
+        """Bounded: stop intake, abort what is in flight, let it drain, join with timeouts."""
+        self._intake_open = False
+        deadline = time.monotonic() + FINALIZE_DRAIN_S
+        self._sends.put(_AbortAll())
+        while self.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._stop_engine.set()
+        self._engine_thread.join(timeout=max(1.0, deadline - time.monotonic()))
+        if self._engine_thread.is_alive():   # a tick that does not end: still answer everyone
+            self._sends.put(_STOP)
+        self._send_thread.join(timeout=5.0)
+        pb_utils.Logger.log_info("exspec: finalized")
+
+
+def _inputs(request) -> dict:
+    out = {}
+    for spec in INPUTS:
+        tensor = pb_utils.get_input_tensor_by_name(request, spec["name"])
+        if tensor is not None:
+            out[spec["name"]] = tensor.as_numpy()
+    return out
+
+
+def _send_error(sender, exc: Exception):
+    if isinstance(exc, InvalidRequestError):
+        code = pb_utils.TritonError.INVALID_ARG
+    elif isinstance(exc, EngineBusyError):
+        code = pb_utils.TritonError.UNAVAILABLE
+    else:
+        code = pb_utils.TritonError.INTERNAL
+    try:
+        sender.send(pb_utils.InferenceResponse(output_tensors=[],
+                                               error=pb_utils.TritonError(str(exc), code)),
+                    flags=_FINAL)
+    except Exception as send_exc:
+        pb_utils.Logger.log_warn(f"exspec: could not send an error response: {send_exc}")

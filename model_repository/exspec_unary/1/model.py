@@ -1,0 +1,56 @@
+"""exspec_unary: unary inference on the decoupled exspec model, through BLS.
+
+Forwards the request's inputs and parameters to the decoupled model with stream=false, which
+answers with exactly one response (DESIGN §4), and returns that response's outputs or its error.
+Nothing is parsed here: the decoupled model validates everything and its INVALID_ARG message
+comes back unchanged.
+"""
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = config.get("parameters", {})
+        self.target = params.get("decoupled_model", {}).get("string_value", "exspec")
+        self.inputs = [i["name"] for i in config["input"]]
+        self.outputs = [o["name"] for o in config["output"]]
+
+    def execute(self, requests):
+        return [self._forward(request) for request in requests]
+
+    def _forward(self, request):
+        stream = pb_utils.get_input_tensor_by_name(request, "stream")
+        if stream is not None and bool(np.asarray(stream.as_numpy()).reshape(-1)[0]):
+            return _error("stream=true needs a streaming call: use the decoupled model "
+                          f"{self.target!r} (gRPC stream or HTTP generate_stream)",
+                          pb_utils.TritonError.INVALID_ARG)
+        tensors = [t for t in (pb_utils.get_input_tensor_by_name(request, name)
+                               for name in self.inputs if name != "stream") if t is not None]
+        forwarded = pb_utils.InferenceRequest(
+            model_name=self.target, inputs=tensors,
+            requested_output_names=list(request.requested_output_names() or self.outputs),
+            parameters=_bls_parameters(request.parameters()))
+        result = None
+        for response in forwarded.exec(decoupled=True):
+            if response.has_error():
+                return pb_utils.InferenceResponse(output_tensors=[], error=response.error())
+            if response.output_tensors():
+                result = response
+        if result is None:
+            return _error(f"{self.target!r} sent no response", pb_utils.TritonError.INTERNAL)
+        return pb_utils.InferenceResponse(output_tensors=result.output_tensors())
+
+
+def _bls_parameters(raw):
+    """BLS takes bool/int/str parameter values; numbers the client sent as JSON floats go on
+    as their decimal string, which the exspec model parses back exactly."""
+    params = json.loads(raw or "{}")
+    return {k: v if isinstance(v, (bool, int, str)) else json.dumps(v) for k, v in params.items()}
+
+
+def _error(message, code):
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
