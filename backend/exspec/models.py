@@ -61,14 +61,15 @@ def _max_positions(model) -> int | None:
 
 
 def _eos_ids(tokenizer, model) -> set[int]:
-    ids = set()
+    """The model's EOS set (generation config, then model config); the tokenizer's EOS only
+    when the model names none, as Hugging Face generate does."""
     for source in (getattr(model, "generation_config", None), model.config, tokenizer):
         value = getattr(source, "eos_token_id", None)
         if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return ids
+            return {value}
+        if isinstance(value, (list, tuple)) and value:
+            return {int(v) for v in value}
+    return set()
 
 
 def check_vocabularies(target, draft) -> None:

@@ -72,7 +72,7 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> Group:
         """Prefill new sequences, batched, for both models; commits each one's first token."""
         with self.stats.timer("prefill"):
-            prompts = [s.tokens for s in seqs]
+            prompts = [list(s.tokens) for s in seqs]
             ids, pos, valid, padded = self._ragged_input(prompts, [0] * len(seqs))
             target_kv = PaddedKV.empty(self.target, len(seqs), self.device)
             logits = self._forward(self.target, target_kv, ids, pos, valid, padded, keep=1)

@@ -48,7 +48,7 @@ def probs_from_logits(logits: torch.Tensor, rows: RowSampling, all_greedy: bool)
     drop = rank >= k[:, None, None]
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     # top-p keeps the smallest prefix whose mass reaches top_p (always at least one token)
-    drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= rows.top_p[:, None, None]
+    drop = drop | ((sorted_probs.cumsum(-1) - sorted_probs) >= rows.top_p[:, None, None])
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = torch.empty_like(scaled).scatter_(-1, order, sorted_logits.softmax(-1))
     return torch.where(rows.greedy[:, None, None], one_hot, probs)

@@ -56,10 +56,10 @@ class Scheduler:
         caps = [s.params.num_speculative_tokens for s in group.seqs]
         if all(c is not None for c in caps):
             k = min(k, max(caps))
-        # verification feeds positions up to len-1+k, which must exist in both models; drafting
-        # past every row's remaining budget is wasted work
-        k = min(k, min(s.max_model_len - s.num_tokens for s in group.seqs),
-                max(s.room for s in group.seqs) - 1)
+        # Verification feeds positions up to len-1+k, which must exist in both models. (No cap
+        # by max_tokens: it would make a seeded request's k schedule, and so its samples,
+        # depend on the other rows of its group.)
+        k = min(k, min(s.max_model_len - s.num_tokens for s in group.seqs))
         return max(k, 0)
 
     def realign_after_step(self, group: Group) -> bool:

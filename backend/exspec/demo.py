@@ -1,0 +1,86 @@
+"""`python -m exspec.demo`: the engine on a model pair, speculative vs target-only, side by side.
+
+Uses the shipped demo pair (model_repository/exspec/1/demo) when present, otherwise builds a
+small seeded pair locally. Prints both outputs, whether they match token for token, the
+acceptance rate and tokens/s of each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import EngineConfig, LLMEngine, SamplingParams
+
+DEMO_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "exspec" / "1" / "demo"
+FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in range(10):\n"]
+
+
+def _pair_dir(args) -> tuple[Path, list[str]]:
+    if args.pair:
+        return Path(args.pair), FALLBACK_PROMPTS
+    if (DEMO_DIR / "target" / "config.json").exists():
+        prompts_file = DEMO_DIR / "prompts.jsonl"
+        prompts = FALLBACK_PROMPTS
+        if prompts_file.exists():
+            prompts = [json.loads(line)["turns"][0] for line in prompts_file.read_text().splitlines()
+                       if line.strip()]
+        return DEMO_DIR, prompts
+    from .tiny import build_demo_pair
+    out = Path(tempfile.mkdtemp(prefix="exspec-demo-"))
+    print(f"no trained demo pair found; building a small seeded pair in {out}")
+    return build_demo_pair(out), FALLBACK_PROMPTS
+
+
+def _run(pair: Path, method: str, prompts, params, k: int, batch: int):
+    engine = LLMEngine(EngineConfig(target_model=str(pair / "target"), draft_model=str(pair / "draft"),
+                                    tokenizer=str(pair / "tokenizer"), method=method,
+                                    num_speculative_tokens=k, max_batch_size=batch))
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    before = engine.stats()
+    outs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    after = engine.stats()
+    drafted = after["draft_tokens"] - before["draft_tokens"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    tokens = sum(len(o.token_ids) for o in outs)
+    return outs, tokens / seconds, (accepted / drafted if drafted else None)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", help="folder with tokenizer/, target/, draft/")
+    parser.add_argument("--method", default="exspec", choices=["exspec", "eqspec"])
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("-k", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    pair, prompts = _pair_dir(args)
+    prompts = prompts[:args.num_prompts]
+    params = SamplingParams(max_tokens=args.max_tokens)
+    spec, spec_tps, acceptance = _run(pair, args.method, prompts, params, args.k, args.batch_size)
+    base, base_tps, _ = _run(pair, "autoregressive", prompts, params, 0, args.batch_size)
+    same = 0
+    for i, (s, b) in enumerate(zip(spec, base)):
+        same += s.token_ids == b.token_ids
+        print(f"\n=== prompt {i}: {prompts[i][:60]!r}")
+        print(f"--- {args.method} (k={args.k}) ---\n{s.text}")
+        print(f"--- target only ---\n{b.text}")
+        print(f"[identical token ids: {s.token_ids == b.token_ids}]")
+    print(f"\n{args.method}: {spec_tps:.1f} tokens/s, acceptance rate "
+          f"{acceptance if acceptance is None else round(acceptance, 3)}; target only: "
+          f"{base_tps:.1f} tokens/s; batch size {args.batch_size}; "
+          f"{same}/{len(prompts)} outputs identical to target-only greedy")
+    return 0 if same == len(prompts) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

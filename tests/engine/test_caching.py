@@ -1,0 +1,101 @@
+"""Caching is proven by counting what each model is fed, and the position / attention
+invariants (I1-I3) are checked on every forward; a deliberately broken engine must fail."""
+import pytest
+import torch
+
+from exspec import SamplingParams
+from exspec.runner import ModelRunner
+
+from conftest import GPT2_MAX_POS, assert_equivalent, make_engine, make_prompts
+
+
+class FeedLog:
+    """Forward pre-hook: per call, the real (unmasked) new tokens per row, and I1/I3 checks."""
+
+    def __init__(self, model):
+        self.calls = []  # (batch, query width, real tokens fed)
+        model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        ids, mask, pos = kwargs["input_ids"], kwargs["attention_mask"], kwargs["position_ids"]
+        q = ids.shape[1]
+        new_valid = mask[:, -q:].bool()
+        # I1 + I3: a real query token's position equals the number of real entries before it
+        # in its row (cache and earlier queries), i.e. its index in a standalone run.
+        seen_before = mask.cumsum(1)[:, -q:] - 1
+        bad = new_valid & (pos != seen_before)
+        assert not bad.any(), f"position ids {pos[bad].tolist()} != {seen_before[bad].tolist()}"
+        self.calls.append((ids.shape[0], q, int(new_valid.sum())))
+
+
+def test_each_model_is_fed_each_token_once(pairs):
+    k, n_prompts, max_tokens = 3, 5, 21
+    engine = make_engine(pairs, "llama", "noisy", num_speculative_tokens=k, max_batch_size=8)
+    target_log, draft_log = FeedLog(engine.target), FeedLog(engine.draft)
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=5, count=n_prompts)
+    engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    stats = engine.stats()
+    prompt_tokens = sum(len(p) for p in prompts)
+
+    # one batched prefill per model, exactly the prompt tokens
+    assert target_log.calls[0][2] == prompt_tokens == stats["prefill_tokens_target"]
+    assert draft_log.calls[0][2] == prompt_tokens == stats["prefill_tokens_draft"]
+    # after prefill: the target gets exactly k+1 query tokens per row per step, nothing more
+    verify = target_log.calls[1:]
+    assert len(verify) == stats["steps"]
+    for batch, q, real in verify:
+        assert real == batch * q and q <= k + 1
+    assert sum(real for _, _, real in verify) == sum(b * q for b, q, _ in verify)
+    # the draft gets at most k+1 real tokens per row per step (k forwards, the first may be 2 wide)
+    draft_steps = draft_log.calls[1:]
+    assert len(draft_steps) == sum(q - 1 for _, q, _ in verify)   # one forward per draft token
+    assert all(q <= 2 for _, q, _ in draft_steps)
+    assert sum(real for _, _, real in draft_steps) <= sum(b * q for b, q, _ in verify)
+    # every committed token is accounted for: no row was re-encoded
+    total_out = n_prompts * max_tokens
+    assert stats["committed_tokens"] + n_prompts == total_out
+
+
+def test_identical_draft_accepts_every_token(pairs):
+    k, steps = 4, 5
+    engine = make_engine(pairs, "gpt2", "twin", num_speculative_tokens=k, max_batch_size=4)
+    prompts = make_prompts(320, pairs["gpt2", "eos"], seed=9, count=4)
+    # prefill commits 1 token, then `steps` steps of k+1 each
+    outs = engine.generate(prompts, SamplingParams(max_tokens=1 + steps * (k + 1), ignore_eos=True))
+    stats = engine.stats()
+    assert stats["acceptance_rate"] == 1.0
+    assert stats["mean_accepted_length"] == k + 1
+    assert stats["steps"] == steps
+    assert all(len(o.token_ids) == 1 + steps * (k + 1) for o in outs)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_shifted_positions_break_equivalence(pairs, reference, monkeypatch, arch):
+    """Negative control: positions off by one for padded rows must be caught by the oracle."""
+    original = ModelRunner._ragged_input
+
+    def shifted(self, tails, starts):
+        ids, pos, valid, padded = original(self, tails, starts)
+        short = valid.sum(1) < valid.shape[1]
+        return ids, pos + short[:, None].long() * valid.long(), valid, padded
+
+    monkeypatch.setattr(ModelRunner, "_ragged_input", shifted)
+    max_len = GPT2_MAX_POS if arch == "gpt2" else 256
+    prompts = make_prompts(320, pairs[arch, "eos"], seed=11, count=8)
+    engine = make_engine(pairs, arch, "noisy", max_batch_size=8)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=20))
+    with pytest.raises(AssertionError, match="differs at output position"):
+        assert_equivalent(outs, prompts, [20] * len(prompts), reference, pairs[arch, "target"], max_len)
+
+
+def test_skipped_cache_crop_breaks_equivalence(pairs, reference, monkeypatch):
+    """Negative control: keeping rejected drafts in the target cache must be caught."""
+    from exspec.kv import PaddedKV
+    original = PaddedKV.drop_tail
+    monkeypatch.setattr(PaddedKV, "drop_tail", lambda self, counts: None)
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=12, count=8)
+    engine = make_engine(pairs, "llama", "noisy", max_batch_size=8)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=20))
+    monkeypatch.setattr(PaddedKV, "drop_tail", original)
+    with pytest.raises(AssertionError, match="differs at output position"):
+        assert_equivalent(outs, prompts, [20] * len(prompts), reference, pairs["llama", "target"], 256)

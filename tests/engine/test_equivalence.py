@@ -1,0 +1,70 @@
+"""Greedy speculative output equals target-only greedy (HF generate, batch 1), exactly, every row.
+
+k x batch size is crossed in full on one pair; architectures x drafts x methods are covered
+pairwise (each combination once, with k and batch size rotating). Prompts span many lengths,
+EOS stops some rows mid-run, max_tokens ranges from 1 up, and on GPT-2 one prompt ends within k
+tokens of the model's maximum length.
+"""
+import itertools
+
+import pytest
+
+from exspec import SamplingParams
+
+from conftest import GPT2_MAX_POS, assert_equivalent, make_engine, make_prompts
+
+MAX_TOKENS = [24, 1, 40, 7, 32, 2, 24, 16]
+
+
+def _run(pairs, reference, arch, draft, method, k, batch, max_len=256, long_prompt=False):
+    eos = pairs[arch, "eos"]
+    prompts = make_prompts(320, eos, seed=k * 100 + batch)
+    max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
+    if long_prompt:  # ends within k tokens of the model's maximum length
+        prompts.append(make_prompts(320, eos, seed=7, count=8, max_len=max_len - 3)[-1])
+        max_tokens.append(16)
+    engine = make_engine(pairs, arch, draft, method=method, num_speculative_tokens=k,
+                         max_batch_size=batch, max_num_seqs=max(batch, 16))
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+    assert_equivalent(outs, prompts, max_tokens, reference, pairs[arch, "target"], max_len,
+                      label=f"{arch}/{draft}/{method} k={k} B={batch}")
+    return outs, engine.stats()
+
+
+@pytest.mark.parametrize("k,batch", list(itertools.product([1, 3, 5, 8], [1, 3, 8, 16])))
+def test_every_k_and_batch_size_matches_target_greedy(pairs, reference, k, batch):
+    outs, stats = _run(pairs, reference, "gpt2", "noisy", "eqspec", k, batch,
+                       max_len=GPT2_MAX_POS, long_prompt=True)
+    reasons = {o.finish_reason for o in outs}
+    assert {"stop", "length"} <= reasons, "the matrix must include EOS stops and length stops"
+    assert stats["accepted_tokens"] > 0 and stats["accepted_tokens"] < stats["draft_tokens"]
+
+
+PAIRWISE = [(arch, draft, method)
+            for arch in ("llama", "gpt2")
+            for draft in ("noisy", "independent", "othershape", "otherarch")
+            for method in ("eqspec", "exspec")]
+
+
+@pytest.mark.parametrize("index", range(len(PAIRWISE)), ids=lambda i: "-".join(PAIRWISE[i]))
+def test_architectures_drafts_and_methods_match_target_greedy(pairs, reference, index):
+    arch, draft, method = PAIRWISE[index]
+    k = [1, 3, 5, 8][index % 4]
+    batch = [1, 3, 8, 16][(index // 2) % 4]
+    max_len = GPT2_MAX_POS if arch == "gpt2" else 256
+    _run(pairs, reference, arch, draft, method, k, batch, max_len=max_len, long_prompt=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_autoregressive_matches_target_greedy(pairs, reference, arch):
+    max_len = GPT2_MAX_POS if arch == "gpt2" else 256
+    _run(pairs, reference, arch, "noisy", "autoregressive", 0, 8, max_len=max_len, long_prompt=True)
+
+
+def test_exspec_and_eqspec_give_identical_outputs(pairs):
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=3, count=16)
+    results = {}
+    for method in ("eqspec", "exspec"):
+        engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=4)
+        results[method] = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=30))]
+    assert results["eqspec"] == results["exspec"]

@@ -1,0 +1,132 @@
+"""Stopping rules (I5), streaming text, and bad input with clear errors."""
+import pytest
+
+from exspec import EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams
+from exspec.tiny import build_tokenizer, llama
+
+from conftest import make_engine, make_prompts
+
+
+def test_eos_stops_and_ignore_eos_runs_on(pairs):
+    eos = pairs["gpt2", "eos"]
+    engine = make_engine(pairs, "gpt2", "noisy", max_batch_size=16)
+    prompts = make_prompts(320, eos, seed=0)
+    stopped = engine.generate(prompts, SamplingParams(max_tokens=40))
+    hits = [o for o in stopped if o.finish_reason == "stop"]
+    assert hits, "the test pair must reach EOS on some prompt"
+    for o in hits:
+        assert o.token_ids[-1] == eos and eos not in o.token_ids[:-1]
+    ignored = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert all(len(o.token_ids) == 40 and o.finish_reason == "length" for o in ignored)
+    for s, i in zip(stopped, ignored):   # identical up to the stop point
+        assert i.token_ids[:len(s.token_ids)] == s.token_ids
+
+
+def test_stop_token_ids_cut_inside_an_accepted_run(pairs):
+    engine = make_engine(pairs, "llama", "twin", num_speculative_tokens=8, max_batch_size=4)
+    prompt = [11, 12, 13]
+    full = engine.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
+    stop_at = full[6]   # with a twin draft, token 6 is committed inside an 9-token accepted run
+    out = engine.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True,
+                                                   stop_token_ids=[stop_at]))[0]
+    first = full.index(stop_at)
+    assert out.token_ids == full[:first + 1] and out.finish_reason == "stop"
+
+
+def test_stop_string_truncates_text_and_tokens(pairs):
+    engine = make_engine(pairs, "llama", "twin", max_batch_size=4)
+    tok = engine.tokenizer
+    full = engine.generate(["hello world"], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    stop = next(full.text[i:i + 3] for i in range(8, len(full.text) - 3)
+                if full.text.index(full.text[i:i + 3]) == i and "\ufffd" not in full.text[i:i + 3])
+    out = engine.generate(["hello world"], SamplingParams(max_tokens=40, ignore_eos=True,
+                                                           stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:full.text.index(stop)]
+    # tokens stop at the one that completed the stop string; nothing after it
+    assert full.token_ids[:len(out.token_ids)] == out.token_ids
+    assert stop in tok.decode(out.token_ids) and stop not in tok.decode(out.token_ids[:-1])
+
+
+def test_max_tokens_one_and_streamed_deltas_join_to_text(pairs):
+    engine = make_engine(pairs, "llama", "noisy", max_batch_size=4)
+    one = engine.generate(["abc"], SamplingParams(max_tokens=1))[0]
+    assert len(one.token_ids) == 1 and one.finish_reason in ("length", "stop")
+    engine.add_request("r1", "日本語 🚀", SamplingParams(max_tokens=48, ignore_eos=True, stop=["zz"]))
+    pieces, ids = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            pieces.append(out.text_delta)
+            ids += out.new_token_ids
+    assert "".join(pieces) == engine.tokenizer.decode(ids, skip_special_tokens=True).split("zz")[0]
+
+
+def test_detokenizer_holds_back_partial_characters_and_stop_prefixes():
+    from exspec.detokenizer import Detokenizer
+    tok = build_tokenizer()
+    text = "ab 日本語🚀 cd STOP ef"
+    ids = _bytes_to_ids(tok, text.encode())   # one token per byte: characters arrive in parts
+    detok = Detokenizer(tok, stop=["STOP"])
+    pieces = []
+    for n in range(1, len(ids) + 1):
+        stopped = detok.update(ids[:n])
+        delta = detok.take_delta(final=stopped)
+        assert "\ufffd" not in delta, f"partial character streamed after {n} tokens"
+        assert "S" not in delta, "a possible stop string was streamed"
+        pieces.append(delta)
+        if stopped:
+            break
+    assert "".join(pieces) == "ab 日本語🚀 cd "
+
+
+def _bytes_to_ids(tok, data: bytes) -> list[int]:
+    """One token per byte (byte-level BPE has all 256 byte tokens)."""
+    return [tok.convert_tokens_to_ids(_byte_char(b)) for b in data]
+
+
+def _byte_char(b: int) -> str:
+    """The GPT-2 byte-to-unicode map used by ByteLevel tokenizers."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    if b in printable:
+        return chr(b)
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
+
+
+def test_bad_requests_get_clear_errors(pairs):
+    engine = make_engine(pairs, "llama", "noisy")
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("a", "", SamplingParams())
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("b", [], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+    with pytest.raises(InvalidRequestError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=-1)
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.add_request("c", [1, 10**6], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="limit"):
+        engine.add_request("d", [1] * 300, SamplingParams())
+    engine.add_request("e", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="already in flight"):
+        engine.add_request("e", [1, 2], SamplingParams())
+    assert not engine.stats()["pool_seqs"]
+
+
+def test_bad_engine_configs_get_clear_errors(pairs, tmp_path):
+    base = dict(target_model=pairs["llama", "target"], draft_model=pairs["llama", "noisy"],
+                tokenizer=pairs["tokenizer"])
+    with pytest.raises(ValueError, match="unknown method"):
+        EngineConfig(**base, method="medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(**base, num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="unknown engine config keys: colour"):
+        EngineConfig.from_dict({**base, "colour": "blue"})
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLMEngine(EngineConfig(**{**base, "draft_model": str(tmp_path / "nope")}))
+    other = llama(len(build_tokenizer()) + 7, seed=5)
+    other.save_pretrained(tmp_path / "wide")
+    with pytest.raises(ModelLoadError, match="vocabularies differ"):
+        LLMEngine(EngineConfig(**{**base, "draft_model": str(tmp_path / "wide")}))
