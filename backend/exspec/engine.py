@@ -14,6 +14,7 @@ from collections import deque
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .errors import EngineBusyError, InvalidRequestError
+from .kv import PaddedKV, SlotKV
 from .models import load_pair
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
@@ -36,7 +37,8 @@ class LLMEngine:
         self.stats_ = Stats(config.device)
         pad_id = self.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else min(self.eos_ids, default=0)
-        self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_)
+        layout = SlotKV if config.method == "exspec" else PaddedKV
+        self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_, layout)
         self.pool = SequencePool(config, self.runner, self.stats_)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)

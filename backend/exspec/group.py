@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 
-from .kv import PaddedKV
 from .sampler import RowSampling
 from .sequence import Sequence
 
@@ -16,7 +15,7 @@ _ids = itertools.count()
 
 
 class Group:
-    def __init__(self, seqs: list[Sequence], target_kv: PaddedKV, draft_kv: PaddedKV | None):
+    def __init__(self, seqs: list[Sequence], target_kv, draft_kv):
         self.id = next(_ids)
         self.seqs = seqs
         self.target_kv = target_kv
@@ -65,12 +64,11 @@ class Group:
         """One group from several (row order: as given); returns (group, bytes copied)."""
         if len(groups) == 1:
             return groups[0], 0
-        moved = 0
-        target_kv, n = PaddedKV.concat([g.target_kv for g in groups], target_model)
-        moved += n
+        layout = type(groups[0].target_kv)
+        target_kv, moved = layout.concat([g.target_kv for g in groups], target_model)
         draft_kv = None
         if groups[0].draft_kv is not None:
-            draft_kv, n = PaddedKV.concat([g.draft_kv for g in groups], draft_model)
+            draft_kv, n = layout.concat([g.draft_kv for g in groups], draft_model)
             moved += n
         seqs = [s for g in groups for s in g.seqs]
         return cls(seqs, target_kv, draft_kv), moved

@@ -26,7 +26,8 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, target, draft, pad_id: int, device: str, stats: Stats):
+    def __init__(self, target, draft, pad_id: int, device: str, stats: Stats, kv_layout=PaddedKV):
+        self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or SlotKV (EXSPEC, ragged)
         self.target = target
         self.draft = draft
         self.pad_id = pad_id
@@ -45,13 +46,13 @@ class ModelRunner:
             ids[row, width - n:] = torch.tensor(tail)
             pos[row, width - n:] = torch.arange(start, start + n)
             valid[row, width - n:] = True
-        padded = min(len(t) for t in tails) < width
-        return ids.to(self.device), pos.to(self.device), valid.to(self.device), padded
+        counts = [len(t) for t in tails]
+        return ids.to(self.device), pos.to(self.device), valid.to(self.device), counts
 
-    def _forward(self, model, kv: PaddedKV, ids, pos, valid, padded: bool, keep: int):
-        out = model(input_ids=ids, attention_mask=kv.attention_mask(valid), position_ids=pos,
+    def _forward(self, model, kv, ids, pos, valid, counts: list[int], keep: int):
+        out = model(input_ids=ids, attention_mask=kv.attention_mask(valid, counts), position_ids=pos,
                     cache=kv.cache, use_cache=True, logits_to_keep=keep)
-        kv.appended(valid, padded)
+        kv.appended(valid, counts)
         return out.logits
 
     def _uniforms(self, seqs: list[Sequence], count: int) -> torch.Tensor:
@@ -73,13 +74,13 @@ class ModelRunner:
         """Prefill new sequences, batched, for both models; commits each one's first token."""
         with self.stats.timer("prefill"):
             prompts = [list(s.tokens) for s in seqs]
-            ids, pos, valid, padded = self._ragged_input(prompts, [0] * len(seqs))
-            target_kv = PaddedKV.empty(self.target, len(seqs), self.device)
-            logits = self._forward(self.target, target_kv, ids, pos, valid, padded, keep=1)
+            ids, pos, valid, counts = self._ragged_input(prompts, [0] * len(seqs))
+            target_kv = self.kv_layout.empty(self.target, len(seqs), self.device)
+            logits = self._forward(self.target, target_kv, ids, pos, valid, counts, keep=1)
             draft_kv = None
             if self.draft is not None:
-                draft_kv = PaddedKV.empty(self.draft, len(seqs), self.device)
-                self._forward(self.draft, draft_kv, ids, pos, valid, padded, keep=1)
+                draft_kv = self.kv_layout.empty(self.draft, len(seqs), self.device)
+                self._forward(self.draft, draft_kv, ids, pos, valid, counts, keep=1)
             group = Group(seqs, target_kv, draft_kv)
             rows = group.sampling(self.device)
             probs = probs_from_logits(logits, rows, rows.all_greedy)[:, 0]
@@ -102,8 +103,8 @@ class ModelRunner:
             return  # the first draft forward of the next step feeds up to two tokens anyway
         with self.stats.timer("prefill"):
             tails = [s.tokens[s.num_cached_draft:-1] for s in group.seqs]
-            ids, pos, valid, padded = self._ragged_input(tails, [s.num_cached_draft for s in group.seqs])
-            self._forward(self.draft, group.draft_kv, ids, pos, valid, padded, keep=1)
+            ids, pos, valid, counts = self._ragged_input(tails, [s.num_cached_draft for s in group.seqs])
+            self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)
             for seq, tail in zip(group.seqs, tails):
                 seq.num_cached_draft += len(tail)
             self.stats.add("prefill_tokens_draft", sum(len(t) for t in tails))
@@ -127,7 +128,7 @@ class ModelRunner:
             start = torch.tensor([s.num_tokens - 1 for s in seqs], device=self.device)
             pos = start[:, None] + torch.arange(k + 1, device=self.device)
             valid = torch.ones_like(ids, dtype=torch.bool)
-            logits = self._forward(self.target, group.target_kv, ids, pos, valid, False, keep=k + 1)
+            logits = self._forward(self.target, group.target_kv, ids, pos, valid, [k + 1] * len(seqs), keep=k + 1)
             p = probs_from_logits(logits, rows, greedy)
             if k == 0:
                 num_accepted = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
@@ -163,18 +164,18 @@ class ModelRunner:
         """k draft tokens per row, feeding the draft only what its cache lacks."""
         seqs = group.seqs
         tails = [s.tokens[s.num_cached_draft:] for s in seqs]
-        ids, pos, valid, padded = self._ragged_input(tails, [s.num_cached_draft for s in seqs])
+        ids, pos, valid, counts = self._ragged_input(tails, [s.num_cached_draft for s in seqs])
         next_pos = torch.tensor([s.num_tokens for s in seqs], device=self.device)
         tokens, probs = [], []
         for j in range(k):
-            logits = self._forward(self.draft, group.draft_kv, ids, pos, valid, padded, keep=1)
+            logits = self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)
             q = probs_from_logits(logits, rows, greedy)[:, 0]
             token = sample(q, u[:, j])
             tokens.append(token)
             probs.append(q)
             if j + 1 < k:
                 ids, pos = token[:, None], (next_pos + j)[:, None]
-                valid, padded = torch.ones_like(ids, dtype=torch.bool), False
+                valid, counts = torch.ones_like(ids, dtype=torch.bool), [1] * len(seqs)
         return torch.stack(tokens, 1), torch.stack(probs, 1)
 
     @staticmethod

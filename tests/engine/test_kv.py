@@ -29,7 +29,7 @@ def append(kv, rows, counts):
         rows[i].extend(range(len(rows[i]), len(rows[i]) + n))
         valid[i, width - n:] = True
     kv.cache.layers[0].update(keys, keys + 0.5)
-    kv.appended(valid, min(counts) < width)
+    kv.appended(valid, counts)
     return width
 
 
