@@ -34,6 +34,10 @@ SAMPLING_KEYS = {
 _TRANSPORT_PARAMETERS = {"binary_data_output", "binary_data", "binary_data_size", "priority",
                          "timeout", "headers", "sequence_id", "sequence_start", "sequence_end",
                          "triton_enable_empty_final_response", "classification"}
+# Set by the unary front model on the requests it forwards through BLS: BLS hands back only an
+# error's message (its code arrives as INTERNAL), so such errors carry their code as a
+# "[INVALID_ARG] " prefix that the front model turns back into the code.
+ERROR_CODE_TAG_PARAMETER = "exspec_tag_error_codes"
 _INT_RE = re.compile(r"^[+-]?\d+$")
 
 
@@ -158,7 +162,8 @@ def _request_parameters(parameters) -> dict:
             raise InvalidRequestError("request parameters are not valid JSON") from None
     out = {}
     for key, value in parameters.items():
-        if key in _TRANSPORT_PARAMETERS or key.startswith(("shared_memory", "triton_")):
+        if (key in _TRANSPORT_PARAMETERS or key == ERROR_CODE_TAG_PARAMETER
+                or key.startswith(("shared_memory", "triton_"))):
             continue
         _check_known(key, "request parameters")
         out[key] = value

@@ -27,7 +27,7 @@ import triton_python_backend_utils as pb_utils
 from exspec import EngineBusyError, EngineConfig, InvalidRequestError, RequestOutput
 from exspec.engine import LLMEngine
 from exspec_metrics import Metrics
-from exspec_request import FLAG_INPUTS, ParsedRequest, parse_request
+from exspec_request import ERROR_CODE_TAG_PARAMETER, FLAG_INPUTS, ParsedRequest, parse_request
 
 MODEL_JSON = "model.json"
 PATH_KEYS = ("target_model", "draft_model", "tokenizer")
@@ -70,6 +70,7 @@ class Stream:
     cumulative_logprob: float = 0.0
     cancelled: bool = False              # the client went away; we asked the engine to abort
     shutting_down: bool = False          # finalize aborted it
+    tag_error_codes: bool = False        # forwarded by the unary front model (see exspec_request)
     failure: str | None = None           # set when the adapter failed the request itself
 
 
@@ -184,22 +185,26 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            tag = False
             try:
+                parameters = json.loads(request.parameters() or "{}")
+                tag = bool(parameters.get(ERROR_CODE_TAG_PARAMETER, False))
                 if not self._intake_open:
                     raise EngineBusyError("the model is shutting down; retry on another server")
-                parsed = parse_request(_inputs(request), request.parameters())
+                parsed = parse_request(_inputs(request), parameters)
             except (InvalidRequestError, EngineBusyError) as exc:
                 self.metrics.rejected()
-                _send_error(sender, exc)
+                _send_error(sender, _triton_error(exc, tag))
                 continue
             except Exception as exc:  # a bug in parsing must still answer this request once
                 pb_utils.Logger.log_error(f"exspec: parsing failed: {traceback.format_exc()}")
                 self.metrics.rejected()
-                _send_error(sender, exc)
+                _send_error(sender, _triton_error(exc, tag))
                 continue
             request_id = f"{next(self._ids)}:{request.request_id()}"
             stream = Stream(request_id, sender, parsed,
-                            parsed.prompt if isinstance(parsed.prompt, str) else None)
+                            parsed.prompt if isinstance(parsed.prompt, str) else None,
+                            tag_error_codes=tag)
             # Registered before the engine sees it, so its first output finds it.
             self._sends.put(_Register(stream))
             try:
@@ -251,9 +256,8 @@ class TritonPythonModel:
             except Exception:
                 pb_utils.Logger.log_error(f"exspec: send path: {traceback.format_exc()}")
         for stream in list(self._streams.values()):   # nothing may end without a final flag
-            self._finish_with_error(stream, pb_utils.TritonError(
-                "the model was unloaded before this request finished",
-                pb_utils.TritonError.UNAVAILABLE), "error")
+            self._finish_with_error(stream, _error(
+                "the model was unloaded before this request finished", "UNAVAILABLE"), "error")
         self.metrics.idle()
 
     def _handle(self, item):
@@ -273,7 +277,7 @@ class TritonPythonModel:
         elif isinstance(item, _Reject):
             self.metrics.rejected()
             self._streams.pop(item.stream.request_id, None)
-            _send_error(item.stream.sender, item.error)
+            _send_error(item.stream.sender, _triton_error(item.error, item.stream.tag_error_codes))
         elif isinstance(item, _AbortAll):
             for stream in self._streams.values():
                 stream.shutting_down = True
@@ -281,8 +285,8 @@ class TritonPythonModel:
         elif isinstance(item, _StepFailed):
             for stream in list(self._streams.values()):
                 self.engine.abort(stream.request_id)
-                self._finish_with_error(stream, pb_utils.TritonError(
-                    f"engine step failed: {item.message}"), "error")
+                self._finish_with_error(stream, _error(
+                    f"engine step failed: {item.message}", "INTERNAL"), "error")
 
     def _poll_cancellations(self):
         for stream in self._streams.values():
@@ -307,18 +311,16 @@ class TritonPythonModel:
             return
         if out.finish_reason == "abort" or out.finish_reason == "error":
             if stream.cancelled:
-                error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
-                outcome = "cancelled"
+                error, outcome = _error("request cancelled", "CANCELLED"), "cancelled"
             elif out.finish_reason == "abort":
                 why = "the model is shutting down" if stream.shutting_down else "aborted"
-                error = pb_utils.TritonError(f"request not completed: {why}",
-                                             pb_utils.TritonError.UNAVAILABLE)
-                outcome = "abort"
+                error, outcome = _error(f"request not completed: {why}", "UNAVAILABLE"), "abort"
             else:
                 pb_utils.Logger.log_error(f"exspec: request {stream.request_id} failed: {out.error}")
                 last_line = (out.error or "unknown error").strip().splitlines()[-1]
-                error = pb_utils.TritonError(f"generation failed: {last_line}")
-                outcome = "error"
+                error, outcome = _error(f"generation failed: {last_line}", "INTERNAL"), "error"
+            if stream.tag_error_codes:
+                error = _error(f"[{_code_name(error)}] {error.message()}", _code_name(error))
             self._finish_with_error(stream, error, outcome, out)
             return
         if not stream.req.stream:
@@ -415,16 +417,31 @@ def _inputs(request) -> dict:
     return out
 
 
-def _send_error(sender, exc: Exception):
+def _error(message: str, code: str):
+    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code))
+
+
+def _code_name(error) -> str:
+    for name in ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL"):
+        if error.code() == getattr(pb_utils.TritonError, name):
+            return name
+    return "INTERNAL"
+
+
+def _triton_error(exc: Exception, tag: bool):
+    """The one place an exception becomes a Triton error: bad input is INVALID_ARG, a full
+    queue UNAVAILABLE, anything else INTERNAL."""
     if isinstance(exc, InvalidRequestError):
-        code = pb_utils.TritonError.INVALID_ARG
+        code = "INVALID_ARG"
     elif isinstance(exc, EngineBusyError):
-        code = pb_utils.TritonError.UNAVAILABLE
+        code = "UNAVAILABLE"
     else:
-        code = pb_utils.TritonError.INTERNAL
+        code = "INTERNAL"
+    return _error(f"[{code}] {exc}" if tag else str(exc), code)
+
+
+def _send_error(sender, error):
     try:
-        sender.send(pb_utils.InferenceResponse(output_tensors=[],
-                                               error=pb_utils.TritonError(str(exc), code)),
-                    flags=_FINAL)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=_FINAL)
     except Exception as send_exc:
         pb_utils.Logger.log_warn(f"exspec: could not send an error response: {send_exc}")

@@ -127,11 +127,7 @@ class TritonServer:
         cmd += self.extra_args
         # Own process group, so a Ctrl-C in the terminal reaches the launcher only and the
         # launcher decides how the server stops.
-        env = stub_environment(dist=dist)
-        # The installed copy of the engine is what runs, even with a checkout on PYTHONPATH.
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(backends / "exspec"), env.get("PYTHONPATH", "")) if p)
-        self.process = subprocess.Popen(cmd, env=env, stdout=self._log_file,
+        self.process = subprocess.Popen(cmd, env=stub_environment(dist=dist), stdout=self._log_file,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         if self.echo_log:
             threading.Thread(target=self._echo, daemon=True).start()

@@ -6,9 +6,14 @@ Nothing is parsed here: the decoupled model validates everything and its INVALID
 comes back unchanged.
 """
 import json
+import re
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+
+TAG_PARAMETER = "exspec_tag_error_codes"
+_TAG = re.compile(r"^\[(INVALID_ARG|UNAVAILABLE|CANCELLED|INTERNAL)\] ")
 
 
 class TritonPythonModel:
@@ -37,7 +42,7 @@ class TritonPythonModel:
         result = None
         for response in forwarded.exec(decoupled=True):
             if response.has_error():
-                return pb_utils.InferenceResponse(output_tensors=[], error=response.error())
+                return _untagged(response.error().message())
             if response.output_tensors():
                 result = response
         if result is None:
@@ -49,7 +54,18 @@ def _bls_parameters(raw):
     """BLS takes bool/int/str parameter values; numbers the client sent as JSON floats go on
     as their decimal string, which the exspec model parses back exactly."""
     params = json.loads(raw or "{}")
-    return {k: v if isinstance(v, (bool, int, str)) else json.dumps(v) for k, v in params.items()}
+    params = {k: v if isinstance(v, (bool, int, str)) else json.dumps(v) for k, v in params.items()}
+    params[TAG_PARAMETER] = True
+    return params
+
+
+def _untagged(message):
+    """BLS returns an error's message with the code INTERNAL; the exspec model, asked through
+    TAG_PARAMETER, put the real code in front of the message: restore it."""
+    match = _TAG.match(message)
+    if not match:
+        return _error(message, pb_utils.TritonError.INTERNAL)
+    return _error(message[match.end():], getattr(pb_utils.TritonError, match.group(1)))
 
 
 def _error(message, code):
