@@ -24,7 +24,7 @@ class EngineConfig:
     max_prompt_tokens: int | None = None  # default: max_model_len - 1
     max_output_tokens: int = 4096         # largest max_tokens a request may ask for
     default_max_tokens: int = 256
-    max_skipped_ticks: int = 8            # fairness bound of the scheduler
+    max_skipped_ticks: int | None = None  # fairness bound; default: one round of the pool + 1
     device: str = "cpu"
     dtype: str = "float32"
     trust_remote_code: bool = False
@@ -42,7 +42,7 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("num_speculative_tokens", "max_skipped_ticks"):
+        for name in ("num_speculative_tokens",):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_batch_size", "max_num_seqs", "max_queue_len", "max_output_tokens",
@@ -51,6 +51,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_seqs < self.max_batch_size:
             raise ValueError("max_num_seqs must be >= max_batch_size")
+        rounds = -(-self.max_num_seqs // self.max_batch_size)   # ticks to step every sequence once
+        if self.max_skipped_ticks is None:
+            self.max_skipped_ticks = rounds
+        if self.method == "exspec" and self.max_skipped_ticks < rounds - 1:
+            raise ValueError(f"max_skipped_ticks {self.max_skipped_ticks} cannot be kept: stepping "
+                             f"{self.max_num_seqs} sequences {self.max_batch_size} at a time takes "
+                             f"{rounds} ticks; raise it to >= {rounds - 1} or lower max_num_seqs")
         if self.extra:
             raise ValueError(f"unknown engine config keys: {', '.join(sorted(self.extra))}")
 

@@ -22,6 +22,8 @@ class Group:
         self.draft_kv = draft_kv
         self._sampling: RowSampling | None = None
         self.stepped_last_tick = False   # for sticky-group statistics
+        self.k: int | None = None        # the k of its last step (adaptive k's hysteresis)
+        self.plain_steps_in_a_row = 0
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -38,6 +40,19 @@ class Group:
     @property
     def aligned(self) -> bool:
         return self.target_kv.aligned and (self.draft_kv is None or self.draft_kv.aligned)
+
+    @property
+    def max_skipped(self) -> int:
+        return max(s.skipped_ticks for s in self.seqs)
+
+    def length_spread_with(self, other: "Group") -> int:
+        lengths = [s.num_tokens for s in self.seqs + other.seqs]
+        return max(lengths) - min(lengths)
+
+    def acceptance(self, prior: float) -> float:
+        """Mean recent acceptance of the rows (prior for rows not yet measured)."""
+        values = [s.acceptance_ema if s.acceptance_ema is not None else prior for s in self.seqs]
+        return sum(values) / len(values)
 
     def kv_tokens(self) -> int:
         """KV entries held for real tokens, both models (what the pool budgets)."""
@@ -70,5 +85,6 @@ class Group:
         if groups[0].draft_kv is not None:
             draft_kv, n = layout.concat([g.draft_kv for g in groups], draft_model)
             moved += n
-        seqs = [s for g in groups for s in g.seqs]
-        return cls(seqs, target_kv, draft_kv), moved
+        merged = cls([s for g in groups for s in g.seqs], target_kv, draft_kv)
+        merged.k = groups[0].k
+        return merged, moved

@@ -5,6 +5,7 @@ The policy lives in `scheduler.py`; this module only holds state and carries pla
 """
 from __future__ import annotations
 
+import time
 import traceback
 from collections import deque
 
@@ -104,7 +105,11 @@ class SequencePool:
         if group.stepped_last_tick:
             self.stats.add("sticky_steps")
         try:
+            self.stats.sync()
+            start = time.perf_counter()
             result = self.runner.step(group, k)
+            self.stats.sync()
+            self.scheduler.observe(group, k, time.perf_counter() - start, sum(result.num_accepted))
             group.stepped_last_tick = True
             for other in self.groups:
                 if other is not group:

@@ -152,8 +152,7 @@ class ModelRunner:
             if k > 0:
                 draft_cut.append(max(0, k - 1 - a))        # draft holds m+k-1, keeps <= m+a
                 seq.num_cached_draft = min(m + k - 1, m + a)
-                seq.num_draft_tokens += k
-                seq.num_accepted_draft_tokens += a
+                seq.observe_acceptance(a, k)
         group.target_kv.drop_tail(target_cut)
         if k > 0:
             group.draft_kv.drop_tail(draft_cut)

@@ -34,6 +34,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.skipped_ticks = 0
+        self.acceptance_ema: float | None = None   # recent accepted / proposed drafts
         self.logprobs: list[float] = []
         self.arrival_time = time.monotonic()
         seed = params.seed if params.seed is not None else default_seed
@@ -89,6 +90,13 @@ class Sequence:
         if not check_text or self.finished:
             self.detokenizer.update(self.output_ids)
         return committed
+
+    def observe_acceptance(self, accepted: int, proposed: int) -> None:
+        self.num_draft_tokens += proposed
+        self.num_accepted_draft_tokens += accepted
+        rate = accepted / proposed
+        old = self.acceptance_ema
+        self.acceptance_ema = rate if old is None else old + 0.3 * (rate - old)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         if not self.finished:

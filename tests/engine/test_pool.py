@@ -1,0 +1,247 @@
+"""The SequencePool and the EXSPEC tick: arrivals, aborts, limits, fairness, adaptive k,
+fault isolation, and the copies it avoids."""
+import gc
+import random
+import threading
+import weakref
+
+import pytest
+
+from exspec import EngineBusyError, SamplingParams
+from exspec import kv as kv_module
+from exspec.runner import ModelRunner
+from exspec.scheduler import AdaptiveK, Scheduler
+
+from conftest import make_engine, make_prompts
+
+
+def run_schedule(engine, arrivals, aborts, params):
+    """Drive the online API: arrivals[tick] = [(id, prompt)], aborts[tick] = [id]."""
+    outputs, finished, aborted_at = {}, {}, {}
+    tick = 0
+    while tick <= max(arrivals) or engine.has_unfinished():
+        for rid, prompt in arrivals.get(tick, []):
+            engine.add_request(rid, prompt, params)
+        for rid in aborts.get(tick, []):
+            engine.abort(rid)
+            aborted_at.setdefault(rid, len(outputs.get(rid, [])))
+        for out in engine.step():
+            assert out.request_id not in finished, f"{out.request_id} got a second final output"
+            outputs.setdefault(out.request_id, []).append(out)
+            if out.finished:
+                finished[out.request_id] = out
+        tick += 1
+        assert tick < 2000, "the engine stopped making progress"
+    return outputs, finished, aborted_at
+
+
+@pytest.mark.parametrize("method", ["exspec", "eqspec"])
+def test_random_arrivals_and_aborts(pairs, reference, monkeypatch, method):
+    live = weakref.WeakSet()
+    for layout in (kv_module.SlotKV, kv_module.PaddedKV):
+        original = layout.__init__
+
+        def tracked(self, *args, _original=original, **kwargs):
+            _original(self, *args, **kwargs)
+            live.add(self)
+        monkeypatch.setattr(layout, "__init__", tracked)
+
+    rng = random.Random(7)
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=21, count=24)
+    arrivals = {}
+    for i, p in enumerate(prompts):
+        arrivals.setdefault(rng.randint(0, 30), []).append((f"r{i}", p))
+    victims = rng.sample(range(24), 6)
+    aborts = {rng.randint(0, 35): [f"r{i}"] for i in victims}
+    engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=4, max_num_seqs=8,
+                         adaptive_k=True, max_skipped_ticks=4)
+    outputs, finished, aborted_at = run_schedule(engine, arrivals, aborts,
+                                                 SamplingParams(max_tokens=24))
+    assert set(finished) == {f"r{i}" for i in range(24)}, "every request ends exactly once"
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        tokens = [t for o in outputs[rid] for t in o.new_token_ids]
+        if rid in aborted_at and finished[rid].finish_reason == "abort":
+            after = outputs[rid][aborted_at[rid]:]
+            assert all(not o.new_token_ids for o in after), f"{rid} emitted tokens after abort"
+            assert tokens == reference(pairs["llama", "target"], prompt, 24)[:len(tokens)]
+        else:
+            assert tokens == reference(pairs["llama", "target"], prompt, 24), rid
+    stats = engine.stats()
+    assert (stats["pool_seqs"], stats["pool_kv_tokens"], stats["queue_len"]) == (0, 0, 0)
+    gc.collect()
+    assert len(live) == 0, f"{len(live)} cache objects still alive after the pool emptied"
+
+
+def test_joins_never_reprefill_running_sequences(pairs):
+    rng = random.Random(3)
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=22, count=16)
+    arrivals = {}
+    for i, p in enumerate(prompts):
+        arrivals.setdefault(rng.randint(0, 20), []).append((f"r{i}", p))
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=4, max_num_seqs=16)
+    run_schedule(engine, arrivals, {}, SamplingParams(max_tokens=16))
+    stats = engine.stats()
+    total = sum(len(p) for p in prompts)
+    assert stats["prefill_tokens_target"] == total
+    assert stats["prefill_tokens_draft"] == total
+
+
+@pytest.mark.parametrize("method,copies", [("exspec", False), ("eqspec", True)])
+def test_equal_length_group_copies_nothing_while_ragged(pairs, method, copies):
+    """8 equal-length prompts, no arrivals: rows accept different counts every step. EXSPEC's
+    group never copies a cache byte (until rows start finishing); EQSPEC realigns."""
+    prompts = [[(7 * i + j) % 300 + 1 for j in range(12)] for i in range(8)]
+    engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=8)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=200, ignore_eos=True))
+    ragged_steps = 0
+    for _ in range(12):
+        outs = engine.step()
+        if len({len(o.new_token_ids) for o in outs}) > 1:
+            ragged_steps += 1
+    stats = engine.stats()
+    assert ragged_steps >= 5, "the draft must make rows accept different counts"
+    assert (stats["realign_bytes"] > 0) == copies, stats["realign_bytes"]
+
+
+def test_speculation_off_and_back_on_catches_the_draft_up(pairs, reference, monkeypatch):
+    schedule = iter([5, 0, 0, 0, 0, 5, 0, 3, 5] + [5] * 100)
+    original = Scheduler.k_for
+    monkeypatch.setattr(Scheduler, "k_for", lambda self, g: min(next(schedule), original(self, g)))
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=23, count=6)
+    engine = make_engine(pairs, "llama", "twin", method="exspec", max_batch_size=8)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=40))
+    stats = engine.stats()
+    assert stats["plain_steps"] >= 5
+    assert stats["acceptance_rate"] == 1.0, "the draft lost track while speculation was off"
+    assert stats["prefill_tokens_draft"] > sum(len(p) for p in prompts), "no catch-up happened"
+    for o, p in zip(outs, prompts):
+        assert o.token_ids == reference(pairs["llama", "target"], p, 40)
+
+
+def test_pool_and_queue_limits(pairs):
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2,
+                         max_num_seqs=3, max_queue_len=5, max_num_kv_tokens=200)
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=24, count=8)
+    for i in range(5):
+        engine.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=8))
+    with pytest.raises(EngineBusyError, match="busy.*retry"):
+        engine.add_request("r5", prompts[5], SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        engine.step()
+        stats = engine.stats()
+        assert stats["pool_seqs"] <= 3
+        assert stats["pool_kv_tokens"] <= 200 + 2 * 40   # a lone request may exceed by itself
+
+
+def test_no_sequence_waits_longer_than_the_fairness_bound(pairs):
+    bound = 3   # the least a pool of 8 with batches of 2 can promise: 4 ticks per round
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2,
+                         max_num_seqs=8, max_skipped_ticks=bound)
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=25, count=8)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=30, ignore_eos=True))
+    last_seen, tick, worst = {}, 0, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id in last_seen:
+                worst = max(worst, tick - last_seen[out.request_id] - 1)
+            last_seen[out.request_id] = tick
+        tick += 1
+    assert worst <= bound, f"a sequence waited {worst} ticks (bound {bound})"
+
+
+def test_a_failing_group_fails_alone(pairs, reference, monkeypatch):
+    original = ModelRunner.step
+
+    def flaky(self, group, k):
+        if any(s.request_id == "poison" for s in group.seqs):
+            raise RuntimeError("injected forward failure")
+        return original(self, group, k)
+
+    monkeypatch.setattr(ModelRunner, "step", flaky)
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2, max_num_seqs=8)
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=26, count=5)
+    engine.add_request("poison", prompts[0], SamplingParams(max_tokens=10))
+    final = {o.request_id: o for o in engine.step() if o.finished}   # it forms a group alone
+    for i, p in enumerate(prompts[1:]):
+        engine.add_request(f"ok{i}", p, SamplingParams(max_tokens=10))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final["poison"].finish_reason == "error"
+    assert "injected forward failure" in final["poison"].error
+    for i, p in enumerate(prompts[1:]):
+        out = final[f"ok{i}"]
+        assert out.finish_reason in ("stop", "length")
+        assert out.num_output_tokens == len(reference(pairs["llama", "target"], p, 10))
+    assert engine.stats()["pool_seqs"] == 0
+
+
+def test_intake_from_another_thread_while_stepping(pairs):
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=4, max_num_seqs=8)
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=27, count=12)
+    done = threading.Event()
+
+    def producer():
+        for i, p in enumerate(prompts):
+            engine.add_request(f"t{i}", p, SamplingParams(max_tokens=12))
+        done.set()
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    finished = set()
+    while not done.is_set() or engine.has_unfinished():
+        engine.wait_for_work(timeout=0.5)
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    thread.join()
+    assert finished == {f"t{i}" for i in range(12)}
+
+
+def test_adaptive_k_hysteresis_and_fallback_to_plain():
+    class G:   # the slice of Group that AdaptiveK reads
+        def __init__(self, n, k, acceptance, plain=0):
+            self.n, self.k, self._a, self.plain_steps_in_a_row = n, k, acceptance, plain
+
+        def __len__(self):
+            return self.n
+
+        def acceptance(self, prior):
+            return self._a
+
+    ak = AdaptiveK(max_k=5)
+    for k in range(6):   # step cost grows with k: a compute-bound verifier
+        ak.step_time[(8, k)] = 1.0 + 0.5 * k
+    # high acceptance: speculation pays; low acceptance: plain decoding wins
+    assert ak.choose(G(8, 0, 0.95), 5) > 0
+    assert ak.choose(G(8, 5, 0.05), 5) == 0
+    # hysteresis: a marginally better k does not make it switch
+    ak.step_time[(8, 3)] = ak.step_time[(8, 2)] * ak.expected_tokens(0.6, 3) / ak.expected_tokens(0.6, 2) * 0.97
+    assert ak.choose(G(8, 2, 0.6), 5) == 2
+    # after a long plain stretch it probes speculation again
+    assert ak.choose(G(8, 0, 0.05, plain=AdaptiveK.PROBE_EVERY), 5) == 5
+
+
+def test_scheduler_picks_starving_group_and_merges_equal_lengths():
+    """Bookkeeping on a hand-built pool (no model): which groups one tick steps together."""
+    from exspec.config import EngineConfig
+    from exspec.group import Group
+
+    class Seq:
+        def __init__(self, length, skipped):
+            self.num_tokens, self.skipped_ticks = length, skipped
+
+    def group(lengths, skipped=0):
+        return Group([Seq(n, skipped) for n in lengths], None, None)
+
+    config = EngineConfig(target_model="t", draft_model="d", method="exspec", max_batch_size=4,
+                          max_num_seqs=16, max_skipped_ticks=3)
+    sched = Scheduler(config, has_draft=True)
+    big, small_same, small_other, starving = (group([10, 10, 10]), group([10]), group([30]),
+                                              group([50, 51], skipped=3))
+    plan = sched.choose([big, small_same, small_other])
+    assert plan.groups == [big, small_same], "top up with the equal-length group"
+    plan = sched.choose([big, small_same, small_other, starving])
+    assert plan.groups[0] is starving and sum(len(g) for g in plan.groups) <= 4
