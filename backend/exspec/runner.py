@@ -185,6 +185,7 @@ class ModelRunner:
     def _count(self, seqs, k, accepted, committed) -> None:
         s = self.stats
         s.add("steps")
+        s.add_step(len(seqs), k)
         s.add("row_steps", len(seqs))
         s.add("committed_tokens", sum(len(c) for c in committed))
         if k == 0:

@@ -17,9 +17,13 @@ class Stats:
         self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.steps_by_shape: dict[tuple[int, int], int] = {}   # (rows, k) -> steps
 
     def add(self, key: str, value: int = 1) -> None:
         self.counts[key] += value
+
+    def add_step(self, rows: int, k: int) -> None:
+        self.steps_by_shape[rows, k] = self.steps_by_shape.get((rows, k), 0) + 1
 
     @contextmanager
     def timer(self, phase: str):
@@ -38,4 +42,9 @@ class Stats:
         out["mean_accepted_length"] = c["committed_tokens"] / c["row_steps"] if c["row_steps"] else None
         out.update({f"time_{k}_s": v for k, v in self.seconds.items()})
         out.update(pool_seqs=pool_seqs, pool_kv_tokens=pool_kv_tokens, queue_len=queue_len)
+        out["realign_share"] = (self.seconds["realign"] / self.seconds["step"]
+                                if self.seconds["step"] else None)
+        # for the benchmark's analytic ideal: how many steps ran at each (rows, k)
+        out["steps_by_shape"] = [{"rows": r, "k": k, "steps": n}
+                                 for (r, k), n in sorted(self.steps_by_shape.items())]
         return out
