@@ -24,6 +24,20 @@ from .sequence import Sequence
 from .stats import Stats
 
 
+def kv_token_budget(device: str, *models, share: float = 0.9) -> int:
+    """KV entries (both models counted, as the pool counts them) that the free device memory
+    holds once the models are loaded, keeping 10% for activations and the allocator."""
+    import torch
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    per_entry = []
+    for model in (m for m in models if m is not None):
+        cfg = model.config.get_text_config(decoder=True)
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_entry.append(2 * cfg.num_hidden_layers * heads * head_dim * model.dtype.itemsize)
+    return int(free * share / max(per_entry))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -34,6 +48,8 @@ class LLMEngine:
         self.max_model_len = pair.max_model_len
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len - 1,
                                      self.max_model_len - 1)
+        if config.max_num_kv_tokens is None and config.device.startswith("cuda"):
+            config.max_num_kv_tokens = kv_token_budget(config.device, self.target, self.draft)
         self.stats_ = Stats(config.device)
         pad_id = self.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else min(self.eos_ids, default=0)
