@@ -25,12 +25,20 @@ test: venv
 test-engine: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/engine
 
+# The engine side by side with the target alone, then the same engine in a real tritonserver:
+# one gRPC stream, one curl generate_stream, one unary infer, and the server stopped.
 demo: venv
 	$(BIN)/python -m exspec.demo
+	$(BIN)/python -m exspec.demo_triton
 
 # A real tritonserver on model_repository/ (ports 8000/8001/8002); Ctrl-C stops it.
 serve: venv
 	$(BIN)/exspec-serve --model-repository model_repository
+
+# The benchmark with its defaults (demo pair, CPU, greedy, k = 5): results.json, results.md and
+# throughput.png in bench_out/.
+bench: venv
+	$(BIN)/exspec-bench --out bench_out
 
 clean:
 	rm -rf $(VENV) .pytest_cache
