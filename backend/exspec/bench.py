@@ -1,0 +1,264 @@
+"""`exspec-bench`: throughput, output equivalence and overheads, method by method and batch size
+by batch size (DESIGN §3.7 definitions, §3.8 output files).
+
+Methods: the engine's `autoregressive`, `eqspec` and `exspec`, and two Hugging Face baselines:
+`hf_generate` (batched, left-padded, greedy, no draft) and `hf_assisted` (assisted generation
+with the draft, batch size 1 only). Every run puts the same prompts (token ids, so every method
+sees identical inputs) through one method at one batch size; within each batch size the methods
+are interleaved (A B C A B C ...) over --repeats runs and the median tokens/s is reported.
+
+Output equivalence is measured against target-only greedy Hugging Face `generate` at batch
+size 1, once per prompt; every divergent row is listed with the reference's top-2 logit gap at
+the first differing token, relative to the logit range. The analytic ideal of an engine run sums,
+over the steps it actually ran, the measured cost of that step's forwards (CostModel) plus the
+run's measured prefill time.
+
+    exspec-bench                                  # the demo pair, CPU, defaults (< 10 min)
+    exspec-bench --batch-sizes 1,8 --methods autoregressive,exspec --out bench_out/quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .bench_equivalence import Reference
+from .bench_ideal import CostModel
+from .bench_methods import METHODS, CellKey, HFModels, Prompt, Run, make_method
+from .models import DTYPES
+
+DEMO_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "exspec" / "1" / "demo"
+SPECULATIVE = ("eqspec", "exspec", "hf_assisted")
+FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in range(10):\n",
+                    "class Engine:\n    def __init__(self):\n", "The quick brown fox "]
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+def read_prompts(path: Path | None, limit: int) -> list[Prompt]:
+    """SpecBench JSONL ({"question_id", "category", "turns": [...]}); the first turn of each."""
+    if path is None:
+        return [Prompt(i, "builtin", t) for i, t in enumerate(FALLBACK_PROMPTS)][:limit]
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not row.get("turns"):
+            raise ValueError(f"{path}:{n}: no turns")
+        prompts.append(Prompt(row.get("question_id", n - 1), row.get("category", ""), row["turns"][0]))
+    return prompts[:limit]
+
+# -- the cells -------------------------------------------------------------------------------------
+def cell_keys(methods: list[str], batch_size: int, k: int) -> list[CellKey]:
+    keys = []
+    for method in methods:
+        if method in ("autoregressive", "hf_generate"):
+            keys.append(CellKey(method, batch_size, 0, None))
+        elif method in ("eqspec", "exspec") or (method == "hf_assisted" and batch_size == 1):
+            keys.append(CellKey(method, batch_size, k, True))
+            keys.append(CellKey(method, batch_size, k, False))
+    return keys
+
+def summarize(key: CellKey, runs: list[Run], reference: Reference) -> tuple[dict, list[dict]]:
+    """One results.json cell (speedups are filled in once every cell is known)."""
+    tps_runs = [run.tokens / run.seconds for run in runs]
+    exact, prefix, divergences = reference.compare(key, runs)
+    cell = {"method": key.method, "batch_size": key.batch_size, "k": key.k,
+            "adaptive_k": key.adaptive_k, "tokens_per_s": statistics.median(tps_runs),
+            "tokens_per_s_runs": tps_runs, "speedup_vs_autoregressive": None,
+            "speedup_vs_batch1": None, "exact_match_share": exact, "prefix_match_mean": prefix,
+            "acceptance_rate": None, "mean_accepted_length": None, "realign_share": None,
+            "equal_length_step_share": None, "ideal_tokens_per_s": None, "ideal_share": None}
+    if runs[0].stats is not None:
+        total = {name: sum(run.stats[name] for run in runs)
+                 for name in runs[0].stats if name != "steps_by_shape"}
+        row_steps = sum(rows * n for run in runs for (rows, _), n in run.stats["steps_by_shape"].items())
+        if total["draft_tokens"]:
+            cell["acceptance_rate"] = total["accepted_tokens"] / total["draft_tokens"]
+        if key.adaptive_k is not None and row_steps:
+            cell["mean_accepted_length"] = total["committed_tokens"] / row_steps
+        if total["time_step_s"]:
+            cell["realign_share"] = total["time_realign_s"] / total["time_step_s"]
+        if total["steps"]:
+            cell["equal_length_step_share"] = total["equal_length_steps"] / total["steps"]
+        if all(run.ideal_seconds for run in runs):
+            ideal = statistics.median(run.tokens / run.ideal_seconds for run in runs)
+            cell["ideal_tokens_per_s"] = ideal
+            cell["ideal_share"] = cell["tokens_per_s"] / ideal
+    return cell, divergences
+
+
+def add_speedups(cells: list[dict]) -> None:
+    by = {(c["method"], c["batch_size"], c["k"], c["adaptive_k"]): c for c in cells}
+    for c in cells:
+        ar = by.get(("autoregressive", c["batch_size"], 0, None))
+        if ar:
+            c["speedup_vs_autoregressive"] = c["tokens_per_s"] / ar["tokens_per_s"]
+        b1 = by.get((c["method"], 1, c["k"], c["adaptive_k"]))
+        if b1:
+            c["speedup_vs_batch1"] = c["tokens_per_s"] / b1["tokens_per_s"]
+
+# -- the command -----------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="exspec-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", help="target model (default: the demo pair's)")
+    ap.add_argument("--draft", help="draft model (default: the demo pair's)")
+    ap.add_argument("--tokenizer", help="tokenizer (default: the demo pair's, else the target's)")
+    ap.add_argument("--prompts", type=Path, help="SpecBench JSONL (default: the demo prompts)")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("-k", type=int, default=5, help="speculative tokens (max k when adaptive)")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (CPU)")
+    ap.add_argument("--out", type=Path, default=Path("bench_out"))
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+    args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        ap.error(f"unknown methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if min(args.batch_sizes) < 1 or args.k < 1 or args.repeats < 1 or args.num_prompts < 1:
+        ap.error("batch sizes, -k, --repeats and --num-prompts must be >= 1")
+    return args
+
+
+def resolve_pair(args) -> str:
+    """Fill in the models: the demo pair, else (with a warning) a tiny pair in a temp dir."""
+    if args.target:
+        args.draft = args.draft or None
+        args.tokenizer = args.tokenizer or args.target
+        if args.prompts is None and (DEMO_DIR / "prompts.jsonl").exists():
+            args.prompts = DEMO_DIR / "prompts.jsonl"
+        return "given"
+    if (DEMO_DIR / "target" / "config.json").exists() and (DEMO_DIR / "draft" / "config.json").exists():
+        pair, name = DEMO_DIR, "demo"
+    else:
+        from .tiny import build_demo_pair
+        pair = build_demo_pair(tempfile.mkdtemp(prefix="exspec-bench-"))
+        name = "tiny"
+        warnings.warn(f"no trained demo pair in {DEMO_DIR}; benchmarking a tiny random pair "
+                      f"built in {pair} (its draft costs as much as its target)", stacklevel=2)
+    args.target = args.target or str(pair / "target")
+    args.draft = args.draft or str(pair / "draft")
+    args.tokenizer = args.tokenizer or str(pair / "tokenizer")
+    if args.prompts is None and (DEMO_DIR / "prompts.jsonl").exists():
+        args.prompts = DEMO_DIR / "prompts.jsonl"
+    return name
+
+
+def machine_info(args, costs: CostModel | None) -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+    info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "device": args.device,
+            "device_name": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else cpu}
+    if costs is not None:
+        info["forward_ms"] = costs.table_ms()   # the measured costs behind the analytic ideal
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = "exspec-bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()   # weight loading, once per engine
+    progress = not args.no_progress
+    pair = resolve_pair(args)
+    speculative_wanted = any(m in SPECULATIVE for m in args.methods)
+    if speculative_wanted and not args.draft:
+        raise SystemExit("exspec-bench: speculative methods need --draft")
+
+    hf = HFModels(args)
+    prompts = read_prompts(args.prompts, args.num_prompts)
+    room = hf.max_model_len - args.max_tokens - args.k - 1
+    for p in prompts:
+        p.ids = hf.tokenizer.encode(p.text, add_special_tokens=False)
+    kept = [p for p in prompts if 0 < len(p.ids) <= room]
+    if len(kept) < len(prompts):
+        warnings.warn(f"skipped {len(prompts) - len(kept)} prompts longer than {room} tokens "
+                      f"(or empty)", stacklevel=1)
+    prompts = kept
+    if not prompts:
+        raise SystemExit("exspec-bench: no usable prompts")
+
+    reference = Reference(hf, prompts, args.max_tokens, progress)
+    typical = round(statistics.mean(len(p.ids) for p in prompts) + args.max_tokens / 2)
+    costs = CostModel(hf, typical)
+
+    plan = [(b, cell_keys(args.methods, b, args.k)) for b in args.batch_sizes]
+    total = sum(len(keys) * (args.repeats + 1) for _, keys in plan)
+    runs: dict[CellKey, list[Run]] = {}
+    start = time.perf_counter()
+    with tqdm(total=total, desc="runs", unit="run", disable=not progress) as bar:
+        for batch_size, keys in plan:
+            methods = {}
+            for key in keys:                       # build and warm up every method of this size
+                bar.set_postfix_str(f"B={batch_size} warm-up {key.label}")
+                methods[key] = make_method(key, args, hf, len(prompts))
+                methods[key].run(prompts[:max(batch_size, 2)], min(args.max_tokens, 16))
+                bar.update()
+            for r in range(args.repeats):          # interleaved: A B C A B C ...
+                for key in keys:
+                    bar.set_postfix_str(f"B={batch_size} run {r + 1}/{args.repeats} {key.label}")
+                    run = methods[key].run(prompts, args.max_tokens)
+                    if costs is not None and run.stats is not None:
+                        run.ideal_seconds = costs.ideal_seconds(run.stats)
+                    runs.setdefault(key, []).append(run)
+                    bar.update()
+            del methods
+    bench_seconds = time.perf_counter() - start
+
+    cells, divergences = [], []
+    for key, key_runs in tqdm(runs.items(), desc="equivalence", disable=not progress):
+        cell, div = summarize(key, key_runs, reference)
+        cells.append(cell)
+        divergences += div
+    add_speedups(cells)
+
+    config = {"pair": pair, "target": args.target, "draft": args.draft, "tokenizer": args.tokenizer,
+              "prompts": str(args.prompts) if args.prompts else None, "num_prompts": len(prompts),
+              "max_tokens": args.max_tokens, "k": args.k, "batch_sizes": args.batch_sizes,
+              "methods": args.methods, "repeats": args.repeats, "device": args.device,
+              "dtype": args.dtype, "threads": args.threads, "greedy": True,
+              "ideal_cache_len": typical, "wall_s": round(time.perf_counter() - start, 1),
+              "runs_wall_s": round(bench_seconds, 1)}
+    results = {"schema": 1, "command": command, "machine": machine_info(args, costs),
+               "config": config, "cells": cells}
+    from .bench_report import write_outputs
+    paths = write_outputs(results, divergences, args.out)
+    for path in paths:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

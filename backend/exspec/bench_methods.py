@@ -1,0 +1,198 @@
+"""The methods the benchmark times, each behind one `run(prompts, max_tokens) -> Run`: the
+engine (autoregressive, eqspec, exspec) and two Hugging Face baselines on the same pair
+(`hf_generate`: batched, left-padded, greedy, no draft; `hf_assisted`: assisted generation,
+batch size 1)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import EngineConfig, LLMEngine, SamplingParams
+from .models import DTYPES, _eos_ids, _max_positions
+
+ENGINE_METHODS = ("autoregressive", "eqspec", "exspec")
+HF_METHODS = ("hf_generate", "hf_assisted")
+METHODS = ENGINE_METHODS + HF_METHODS
+
+
+@dataclass
+class Prompt:
+    question_id: object
+    category: str
+    text: str
+    ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CellKey:
+    method: str
+    batch_size: int
+    k: int
+    adaptive_k: bool | None   # None: no speculation to adapt
+
+    @property
+    def label(self) -> str:
+        if self.adaptive_k is None:
+            return self.method
+        return f"{self.method} ({'adaptive k' if self.adaptive_k else f'k={self.k}'})"
+
+
+@dataclass
+class Run:
+    seconds: float
+    outputs: list[list[int]]
+    stats: dict | None = None            # engine stats difference over the run
+    ideal_seconds: float | None = None   # its analytic ideal (engine runs)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+
+# -- the methods ---------------------------------------------------------------------------------
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class EngineMethod:
+    """One LLMEngine (autoregressive, eqspec or exspec) at one batch size, reused across runs."""
+
+    def __init__(self, key: CellKey, args, num_prompts: int):
+        self.key = key
+        self.device = args.device
+        self.engine = LLMEngine(EngineConfig(
+            target_model=args.target, draft_model=args.draft, tokenizer=args.tokenizer,
+            method=key.method, num_speculative_tokens=key.k, adaptive_k=bool(key.adaptive_k),
+            max_batch_size=key.batch_size, max_num_seqs=max(key.batch_size, num_prompts),
+            device=args.device, dtype=args.dtype))
+
+    def run(self, prompts: list[Prompt], max_tokens: int) -> Run:
+        before = self.engine.stats()
+        sync(self.device)
+        start = time.perf_counter()
+        outs = self.engine.generate([p.ids for p in prompts], SamplingParams(max_tokens=max_tokens))
+        sync(self.device)
+        seconds = time.perf_counter() - start
+        failed = [o.error for o in outs if o.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"{self.key.label} at batch {self.key.batch_size}: {failed[0]}")
+        return Run(seconds, [list(o.token_ids) for o in outs], stats_delta(before, self.engine.stats()))
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    """The counters and phase times one run added, and its steps by (rows, k)."""
+    keys = [k for k, v in after.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and k not in ("acceptance_rate", "mean_accepted_length", "realign_share",
+                          "pool_seqs", "pool_kv_tokens", "queue_len")]
+    out = {k: after[k] - (before.get(k) or 0) for k in keys}
+    shapes = {(s["rows"], s["k"]): s["steps"] for s in after["steps_by_shape"]}
+    for s in before["steps_by_shape"]:
+        shapes[s["rows"], s["k"]] -= s["steps"]
+    out["steps_by_shape"] = {shape: n for shape, n in shapes.items() if n}
+    return out
+
+
+class HFModels:
+    """The pair loaded once with plain transformers: reference, baselines and cost model."""
+
+    def __init__(self, args):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        dtype = DTYPES[args.dtype]
+        self.device = args.device
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        self.target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
+        self.draft = None
+        if args.draft:
+            self.draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(args.device).eval()
+        self.eos_ids = _eos_ids(self.tokenizer, self.target)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
+        limits = [_max_positions(m) for m in (self.target, self.draft) if m is not None]
+        self.max_model_len = min([n for n in limits if n] or [4096])
+
+    def trim(self, new_ids: list[int]) -> list[int]:
+        """Generated ids up to and including the first EOS (what the engine returns)."""
+        for i, t in enumerate(new_ids):
+            if t in self.eos_ids:
+                return new_ids[:i + 1]
+        return new_ids
+
+    @torch.inference_mode()
+    def generate(self, batch: list[list[int]], max_tokens: int, **kwargs) -> list[list[int]]:
+        """Greedy generate on a left-padded batch; each row's ids up to its first EOS."""
+        width = max(len(ids) for ids in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, p in enumerate(batch):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        out = self.target.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                   max_new_tokens=max_tokens, do_sample=False,
+                                   pad_token_id=self.pad_id, **kwargs)
+        return [self.trim(row[width:]) for row in out.tolist()]
+
+    @torch.inference_mode()
+    def logit_gap(self, prompt: list[int], prefix: list[int]) -> float:
+        """Reference top-2 logit gap at the next token after prompt + prefix, ÷ the logit range."""
+        ids = torch.tensor([prompt + prefix], device=self.device)
+        logits = self.target(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+        top = logits.topk(2).values
+        spread = float(logits.max() - logits.min())
+        return float(top[0] - top[1]) / spread if spread > 0 else 0.0
+
+
+class HFGenerateMethod:
+    """Plain batched Hugging Face generate: chunks of batch_size prompts, left-padded."""
+
+    def __init__(self, key: CellKey, hf: HFModels):
+        self.key, self.hf = key, hf
+
+    def run(self, prompts: list[Prompt], max_tokens: int) -> Run:
+        b = self.key.batch_size
+        sync(self.hf.device)
+        start = time.perf_counter()
+        outputs = []
+        for i in range(0, len(prompts), b):
+            outputs += self.hf.generate([p.ids for p in prompts[i:i + b]], max_tokens)
+        sync(self.hf.device)
+        return Run(time.perf_counter() - start, outputs)
+
+
+class HFAssistedMethod:
+    """Hugging Face assisted generation (batch size 1): k drafts per round, either constant
+    (adaptive_k off) or HF's own adaptation (heuristic schedule plus the assistant's
+    confidence threshold; adaptive_k on)."""
+
+    def __init__(self, key: CellKey, hf: HFModels):
+        self.key, self.hf = key, hf
+
+    def _configure(self) -> None:
+        cfg = self.hf.draft.generation_config
+        cfg.num_assistant_tokens = self.key.k
+        if self.key.adaptive_k:
+            cfg.num_assistant_tokens_schedule = "heuristic_transient"
+            cfg.assistant_confidence_threshold = 0.4
+        else:
+            cfg.num_assistant_tokens_schedule = "constant"
+            cfg.assistant_confidence_threshold = 0.0
+
+    def run(self, prompts: list[Prompt], max_tokens: int) -> Run:
+        self._configure()
+        sync(self.hf.device)
+        start = time.perf_counter()
+        outputs = [self.hf.generate([p.ids], max_tokens, assistant_model=self.hf.draft)[0]
+                   for p in prompts]
+        sync(self.hf.device)
+        return Run(time.perf_counter() - start, outputs)
+
+
+def make_method(key: CellKey, args, hf: HFModels, num_prompts: int):
+    if key.method in ENGINE_METHODS:
+        return EngineMethod(key, args, num_prompts)
+    if key.method == "hf_generate":
+        return HFGenerateMethod(key, hf)
+    return HFAssistedMethod(key, hf)

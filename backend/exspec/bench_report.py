@@ -1,0 +1,168 @@
+"""The benchmark's three output files (DESIGN §3.8): results.json, results.md, throughput.png."""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+SPEC_METHODS = ("eqspec", "exspec", "hf_assisted")
+
+
+def write_outputs(results: dict, divergences: list[dict], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "results.md", out / "throughput.png"]
+    paths[0].write_text(json.dumps(results, indent=2) + "\n")
+    paths[1].write_text(markdown(results, divergences))
+    try:
+        plot(results["cells"], paths[2])
+    except ImportError:
+        warnings.warn("matplotlib is not installed (pip install matplotlib==3.11.2): "
+                      "throughput.png not written", stacklevel=2)
+        paths.pop()
+    return paths
+
+
+# -- results.md ---------------------------------------------------------------------------------
+def _num(value, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _pct(value, digits: int = 0) -> str:
+    return "–" if value is None else f"{100 * value:.{digits}f}%"
+
+
+def label(cell: dict) -> str:
+    if cell["adaptive_k"] is None:
+        return cell["method"]
+    return f"{cell['method']} ({'adaptive k≤' if cell['adaptive_k'] else 'k='}{cell['k']})"
+
+
+def table(cells: list[dict]) -> str:
+    head = ("| method | B | tokens/s | × AR | × B=1 | exact | prefix | accept | accepted len "
+            "| realign | equal-len steps | ideal tokens/s | of ideal |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for c in sorted(cells, key=lambda c: (c["batch_size"], order(c))):
+        lines.append(
+            f"| {label(c)} | {c['batch_size']} | {_num(c['tokens_per_s'], 1)} "
+            f"| {_num(c['speedup_vs_autoregressive'])} | {_num(c['speedup_vs_batch1'])} "
+            f"| {_pct(c['exact_match_share'])} | {_pct(c['prefix_match_mean'])} "
+            f"| {_num(c['acceptance_rate'])} | {_num(c['mean_accepted_length'])} "
+            f"| {_pct(c['realign_share'], 1)} | {_pct(c['equal_length_step_share'])} "
+            f"| {_num(c['ideal_tokens_per_s'], 1)} | {_pct(c['ideal_share'])} |")
+    return "\n".join(lines)
+
+
+def order(cell: dict) -> tuple:
+    methods = ("autoregressive", "hf_generate", "eqspec", "exspec", "hf_assisted")
+    rank = methods.index(cell["method"]) if cell["method"] in methods else len(methods)
+    return rank, cell["adaptive_k"] is False
+
+
+def findings(cells: list[dict]) -> list[str]:
+    """Plain observations computed from the cells (no thresholds tuned here)."""
+    notes = []
+    series: dict[str, list[dict]] = {}
+    for c in cells:
+        series.setdefault(label(c), []).append(c)
+    for name, group in sorted(series.items()):
+        if group[0]["method"] not in ("eqspec", "exspec"):
+            continue
+        group.sort(key=lambda c: c["batch_size"])
+        losing = [c["batch_size"] for c in group
+                  if c["speedup_vs_autoregressive"] is not None and c["speedup_vs_autoregressive"] < 1]
+        if losing:
+            notes.append(f"{name}: slower than autoregressive at batch sizes {losing}")
+        elif any(c["speedup_vs_autoregressive"] is not None for c in group):
+            notes.append(f"{name}: at least as fast as autoregressive at every batch size measured")
+    by = {(c["method"], c["batch_size"], c["adaptive_k"]): c for c in cells}
+    for (method, b, adaptive), c in sorted(by.items(), key=lambda kv: str(kv[0])):
+        if method != "exspec":
+            continue
+        eq = by.get(("eqspec", b, adaptive))
+        if eq and eq["realign_share"] and c["realign_share"] is not None:
+            notes.append(f"B={b} {label(c)}: realign share {_pct(c['realign_share'], 2)} vs eqspec "
+                         f"{_pct(eq['realign_share'], 2)} ({c['realign_share'] / eq['realign_share']:.2f}×)")
+    return notes
+
+
+def markdown(results: dict, divergences: list[dict]) -> str:
+    cfg, machine = results["config"], results["machine"]
+    lines = [
+        "# exspec-bench results", "",
+        f"Command: `{results['command']}`", "",
+        f"Machine: {machine['cpu']} ({machine['cpu_count']} cores, {machine['torch_threads']} torch "
+        f"threads), device {machine['device_name']}; Python {machine['python']}, torch "
+        f"{machine['torch']}, transformers {machine['transformers']}; {machine['platform']}.", "",
+        f"Pair: {cfg['pair']} (target `{cfg['target']}`, draft `{cfg['draft']}`); "
+        f"{cfg['num_prompts']} prompts from `{cfg['prompts']}`, max_tokens {cfg['max_tokens']}, "
+        f"greedy, k = {cfg['k']}, {cfg['dtype']} on {cfg['device']}; median of {cfg['repeats']} "
+        f"interleaved runs per cell; took {cfg['wall_s']} s.", "",
+        "tokens/s = generated tokens ÷ wall seconds; × AR = vs autoregressive at the same batch size; "
+        "× B=1 = vs the same method at batch size 1; exact / prefix = equivalence with target-only "
+        "greedy HF generate at batch size 1; accepted len = committed tokens per row-step (bonus "
+        "included); realign = share of step time spent forming, splitting or realigning groups; "
+        "ideal = analytic ideal from measured forward costs (DESIGN §3.7).", "",
+        table(results["cells"]), "",
+        "## Findings", "",
+    ]
+    lines += [f"- {n}" for n in findings(results["cells"])] or ["- none"]
+    lines += ["", "## Divergences from the reference", ""]
+    if not divergences:
+        lines.append("None: every row of every run equals the reference token for token.")
+    else:
+        lines.append("| cell | run | question | position | reference | got | top-2 gap / range | tie |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for d in divergences:
+            cell = {"method": d["method"], "k": d["k"], "adaptive_k": d["adaptive_k"]}
+            gap = "–" if d["top2_gap_rel"] is None else f"{d['top2_gap_rel']:.2e}"
+            lines.append(f"| {label(cell)} B={d['batch_size']} | {d['run']} | {d['question_id']} "
+                         f"| {d['position']} | {d['reference_token']} | {d['got_token']} | {gap} "
+                         f"| {'yes' if d['float_tie'] else 'no'} |")
+    if machine.get("forward_ms"):
+        lines += ["", f"## Forward costs behind the ideal (ms, cache of {cfg['ideal_cache_len']} tokens)",
+                  "", "| forward | ms |", "|---|---|"]
+        lines += [f"| {name} | {ms:.3f} |" for name, ms in machine["forward_ms"].items()]
+    return "\n".join(lines) + "\n"
+
+
+# -- throughput.png ------------------------------------------------------------------------------
+def plot(cells: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[dict]] = {}
+    for c in sorted(cells, key=lambda c: (order(c), c["batch_size"])):
+        series.setdefault(label(c), []).append(c)
+    colors = dict(zip(series, plt.get_cmap("tab10").colors))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    twin = right.twinx()
+    for name, group in series.items():
+        xs = [c["batch_size"] for c in group]
+        style = dict(color=colors[name], linestyle="--" if group[0]["adaptive_k"] is False else "-")
+        left.plot(xs, [c["tokens_per_s"] for c in group], marker="o", label=name, **style)
+        measured = [c for c in group if c["acceptance_rate"] is not None]
+        if group[0]["method"] in SPEC_METHODS and measured:
+            xs = [c["batch_size"] for c in measured]
+            right.plot(xs, [c["acceptance_rate"] for c in measured], marker="o", label=name, **style)
+            twin.plot(xs, [c["mean_accepted_length"] for c in measured], marker="s", alpha=0.45,
+                      **style)
+    batch_sizes = sorted({c["batch_size"] for c in cells})
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+        ax.set_xlabel("batch size")
+        ax.grid(alpha=0.3)
+    left.set_ylabel("tokens/s")
+    left.set_title("Throughput vs batch size (dashed: fixed k)")
+    left.legend(fontsize=7)
+    right.set_ylabel("acceptance rate (circles)")
+    right.set_ylim(0, 1.05)
+    twin.set_ylabel("mean accepted length (squares, faded)")
+    twin.set_ylim(bottom=0)
+    right.set_title("Acceptance and mean accepted length")
+    if right.get_legend_handles_labels()[0]:
+        right.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
