@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv test test-engine demo serve clean
+.PHONY: venv test test-engine demo serve gpu-check clean
 
 # torch first, pinned, in its own pip call: that takes the CPU wheel from this machine's disk
 # instead of letting a dependency pull a multi-GB CUDA build.
@@ -39,6 +39,17 @@ serve: venv
 # throughput.png in bench_out/.
 bench: venv
 	$(BIN)/exspec-bench --out bench_out
+
+# On a CUDA machine (<= 8 minutes): every test marked gpu (engine equivalence on cuda, KIND_GPU
+# placement and parity through tritonserver), then a short GPU benchmark. Without CUDA it says
+# so and succeeds.
+gpu-check: venv
+	@if ! $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		echo "gpu-check: no CUDA device here; skipped"; exit 0; fi; \
+	$(BIN)/python -c "import torch; print('gpu-check on', torch.cuda.get_device_name(0))" && \
+	timeout 360 $(BIN)/python -m pytest -q -p no:cacheprovider -m gpu -rs tests && \
+	timeout 120 $(BIN)/python -m exspec.bench --device cuda --dtype bfloat16 --batch-sizes 1,8 \
+		--num-prompts 8 --max-tokens 32 --repeats 1 --no-progress --out bench_out/gpu-check
 
 clean:
 	rm -rf $(VENV) .pytest_cache

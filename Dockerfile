@@ -1,0 +1,49 @@
+# exspec on NVIDIA's Triton Inference Server image.
+#
+#   docker build -t exspec .
+#   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 \
+#       -v ~/.cache/huggingface:/root/.cache/huggingface exspec
+#
+# Base: the newest Triton release whose notes we found (26.09, CUDA 13.4). Its images are
+# Ubuntu 24.04 with Python 3.12, and its Python backend stub is built for that Python, so torch
+# and the engine go into the system Python. The image ships no torch: we install the pinned
+# CUDA build. Older bases work too (TRITON_IMAGE=...:25.01-py3 or later keep Python 3.12; pick a
+# TORCH_INDEX_URL whose CUDA the image's driver supports).
+ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:26.09-py3
+FROM ${TRITON_IMAGE}
+
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_BREAK_SYSTEM_PACKAGES=1 \
+    HF_HOME=/root/.cache/huggingface \
+    PYTHONUNBUFFERED=1
+
+WORKDIR /opt/exspec
+
+# Dependencies first (a layer that survives code changes): torch from the CUDA index, then the
+# pins of pyproject.toml. The launcher's extra (nvidia-pytriton) is not needed: the image has
+# its own tritonserver.
+RUN python3 -m pip install --index-url ${TORCH_INDEX_URL} torch==2.13.0 && \
+    python3 -m pip install transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 \
+        numpy==1.26.4 tqdm==4.70.1
+
+# The engine as a package, then the one install step (the same one the launcher and CI use)
+# lays out /opt/tritonserver/backends/exspec beside the image's own Python backend and stub.
+COPY pyproject.toml README.md ./
+COPY backend/ backend/
+RUN python3 -m pip install --no-deps . && \
+    python3 -m exspec.install_backend --tritonserver /opt/tritonserver \
+        --backends-dir /opt/tritonserver/backends --source /opt/exspec/backend && \
+    python3 -c "import torch, transformers, exspec; print('torch', torch.__version__, \
+'transformers', transformers.__version__)"
+
+# The model repository: exspec (the demo pair; mount your own over /models for a real pair)
+# and exspec_unary (unary inference through BLS).
+COPY model_repository/ /models/
+
+EXPOSE 8000 8001 8002
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+    CMD python3 -c "import urllib.request, sys; \
+sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4).status != 200)"
+
+CMD ["tritonserver", "--model-repository=/models"]
