@@ -44,6 +44,26 @@ def test_cancelled_stream_stops_and_frees_the_pool(server):
     assert call.responses[-1].final and len(call.ids()) == 4
 
 
+def test_http_client_disconnect_cancels_the_request(server):
+    import http.client
+    import json
+    from urllib.parse import urlparse
+    cancelled_before = scrape(server, "exspec:requests_total", model="exspec", outcome="cancelled")
+    url = urlparse(server.urls["http"])
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.request("POST", "/v2/models/exspec/generate_stream", body=json.dumps(
+        {"text_input": "hello", "stream": True, "max_tokens": 480, "ignore_eos": True}))
+    response = conn.getresponse()
+    assert response.status == 200 and response.fp.readline()   # the first event arrived
+    conn.sock.shutdown(2)    # the client goes away mid-stream
+    conn.close()
+    wait_for(lambda: scrape(server, "exspec:requests_total", model="exspec",
+                            outcome="cancelled") == cancelled_before + 1,
+             what="the disconnected request to be counted as cancelled")
+    wait_for(lambda: scrape(server, "exspec:num_requests_running", model="exspec") == 0,
+             what="exspec:num_requests_running to return to 0")
+
+
 def test_full_queue_refuses_with_busy_and_serves_the_rest(server):
     # "small" holds one sequence and queues one more; five at once overflow it.
     # One stream per request: a gRPC stream's error responses carry no request id.

@@ -1,0 +1,81 @@
+"""The adapter's request parser (backend/exspec_request.py), without a server: string spellings
+parse like JSON values, and every problem is an InvalidRequestError naming it."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from exspec import InvalidRequestError
+from exspec_request import parse_request
+
+
+def _text(value="hi"):
+    return np.array([value.encode()], dtype=np.object_)
+
+
+def parse(parameters=None, **inputs):
+    inputs.setdefault("text_input", _text())
+    inputs = {k: v for k, v in inputs.items() if v is not None}
+    return parse_request(inputs, json.dumps(parameters or {}))
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ({"max_tokens": "12"}, {"max_tokens": 12}),
+    ({"max_tokens": 12.0}, {"max_tokens": 12}),
+    ({"temperature": "0.25", "top_p": "1"}, {"temperature": 0.25, "top_p": 1.0}),
+    ({"ignore_eos": "False"}, {"ignore_eos": False}),
+    ({"ignore_eos": "1"}, {"ignore_eos": True}),
+    ({"stop": "\\n\\n"}, {"stop": ["\\n\\n"]}),
+    ({"stop": '["a", "b"]'}, {"stop": ["a", "b"]}),
+    ({"stop_token_ids": "1, 2"}, {"stop_token_ids": [1, 2]}),
+    ({"stop_token_ids": "[3]"}, {"stop_token_ids": [3]}),
+    ({"num_speculative_tokens": "0"}, {"num_speculative_tokens": 0}),
+    ({"binary_data_output": True, "max_tokens": 3}, {"max_tokens": 3}),   # transport, ignored
+])
+def test_request_parameter_spellings(raw, expected):
+    params = parse(raw).params
+    for key, value in expected.items():
+        assert getattr(params, key) == value, key
+
+
+def test_sampling_parameters_json_and_request_parameters_merge():
+    sampling = np.array([json.dumps({"max_tokens": 5}).encode()], dtype=np.object_)
+    parsed = parse({"temperature": "0.5", "seed": "3"}, sampling_parameters=sampling)
+    assert (parsed.params.max_tokens, parsed.params.temperature, parsed.params.seed) == (5, 0.5, 3)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"parameters": {"max_tokens": "1.5"}}, "max_tokens must be an integer"),
+    ({"parameters": {"max_tokens": True}}, "max_tokens must be an integer"),
+    ({"parameters": {"temperature": "nan"}}, "finite"),
+    ({"parameters": {"temperature": "inf"}}, "finite"),
+    ({"parameters": {"top_k": "ten"}}, "top_k must be an integer"),
+    ({"parameters": {"ignore_eos": 2}}, "ignore_eos must be true or false"),
+    ({"parameters": {"stop": '["a", 1]'}}, "stop must be"),
+    ({"parameters": {"stop": "[oops"}}, "does not parse"),
+    ({"parameters": {"n": 2}}, "unknown sampling parameter 'n'"),
+    ({"sampling_parameters": np.array([b'{"max_tokens": 2}'], dtype=np.object_),
+      "parameters": {"max_tokens": 3}}, "given twice"),
+    ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "not valid UTF-8"),
+    ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "exactly one string"),
+    ({"input_ids": np.array([], dtype=np.int64), "text_input": None}, "input_ids is empty"),
+    ({"stream": np.array([True]), "exclude_input_in_output": np.array([False])},
+     "exclude_input_in_output=false"),
+])
+def test_problems_are_named(kwargs, needle):
+    parameters = kwargs.pop("parameters", None)
+    with pytest.raises(InvalidRequestError, match=needle):
+        parse(parameters, **kwargs)
+
+
+def test_logprob_outputs_ask_the_engine_for_logprobs():
+    assert parse(return_cumulative_logprob=np.array([True])).params.logprobs
+    assert not parse().params.logprobs
+
+
+def test_prepend_rule():
+    assert parse().prepend_prompt
+    assert not parse(exclude_input_in_output=np.array([True])).prepend_prompt
+    assert not parse(stream=np.array([True])).prepend_prompt
