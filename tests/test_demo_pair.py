@@ -1,0 +1,95 @@
+"""The built-in demo pair: the training script runs end to end (tiny configuration), and the
+committed pair in model_repository/exspec/1/demo/ loads with plain transformers and generates."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "train_demo_pair.py"
+DEMO = REPO / "model_repository" / "exspec" / "1" / "demo"
+MAX_BYTES = 25 * 1000 * 1000
+
+
+def _prompts(path: Path):
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for i, r in enumerate(rows):
+        assert set(r) >= {"question_id", "category", "turns"}
+        assert isinstance(r["question_id"], int) and r["category"] == "code"
+        assert isinstance(r["turns"], list) and len(r["turns"]) == 1 and r["turns"][0].strip()
+    assert len({r["question_id"] for r in rows}) == len(rows)
+    return [r["turns"][0] for r in rows]
+
+
+def _generate(tok, model, prompt: str, n: int = 8):
+    enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+    new = out[0, enc["input_ids"].shape[1]:]
+    assert new.numel() == n
+    assert isinstance(tok.decode(new), str)
+    return new
+
+
+def _check_pair(root: Path):
+    tok = AutoTokenizer.from_pretrained(root / "tokenizer")
+    tok_t = AutoTokenizer.from_pretrained(root / "target")
+    assert tok.get_vocab() == tok_t.get_vocab()
+    assert tok.eos_token == "<|endoftext|>" and tok.pad_token_id == tok.eos_token_id
+    target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32)
+    draft = AutoModelForCausalLM.from_pretrained(root / "draft", dtype=torch.float32)
+    assert target.dtype == torch.float32 and draft.dtype == torch.float32
+    assert target.config.model_type == "llama" and draft.config.model_type == "llama"
+    assert target.config.vocab_size == draft.config.vocab_size == len(tok)
+    assert target.config.eos_token_id == draft.config.eos_token_id == tok.eos_token_id
+    prompts = _prompts(root / "prompts.jsonl")
+    assert prompts
+    _generate(tok, target, prompts[0])
+    _generate(tok, draft, prompts[0])
+    card = (root / "model_card.md").read_text()
+    for needle in ("Corpus", "Licence", "PSF", "mean_accepted_length", "ratio"):
+        assert needle in card
+    metrics = json.loads((root / "metrics.json").read_text())
+    return tok, target, draft, prompts, metrics
+
+
+def _total_bytes(root: Path):
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_train_script_tiny_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out), "--seed", "3"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tok, target, draft, prompts, metrics = _check_pair(out)
+    assert metrics["tiny"] and metrics["seed"] == 3
+    assert 1.0 <= metrics["acceptance"]["mean_accepted_length"] <= 6.0
+    assert metrics["cost"]["ratio_decode"] > 0
+    assert _total_bytes(out) < MAX_BYTES
+
+
+@pytest.mark.skipif(not ((DEMO / "target" / "model.safetensors").exists()
+                         and (DEMO / "draft" / "model.safetensors").exists()),
+                    reason="demo pair not built (python scripts/train_demo_pair.py)")
+def test_committed_demo_pair():
+    tok, target, draft, prompts, metrics = _check_pair(DEMO)
+    assert len(prompts) >= 30
+    assert target.get_input_embeddings().weight.shape[0] == draft.get_input_embeddings().weight.shape[0]
+    # the draft is a different, much cheaper model
+    n_t = sum(p.numel() for p in target.parameters())
+    n_d = sum(p.numel() for p in draft.parameters())
+    assert n_d * 4 < n_t
+    assert draft.config.num_hidden_layers < target.config.num_hidden_layers
+    assert _total_bytes(DEMO) <= MAX_BYTES
+    assert not metrics["tiny"]
+    assert metrics["cost"]["ratio_decode"] <= 1 / 8 and metrics["cost"]["ratio_prefill"] <= 1 / 8
