@@ -43,6 +43,18 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+def ports_in_use(ports) -> list[int]:
+    """Those of `ports` something already listens on (tritonserver binds 0.0.0.0)."""
+    busy = []
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
 def stub_environment(base: dict | None = None, dist: TritonDist | None = None) -> dict:
     """Environment in which the Python backend stub runs this interpreter (DESIGN §5 trap).
 
@@ -63,6 +75,10 @@ def stub_environment(base: dict | None = None, dist: TritonDist | None = None) -
 
 class ServerNotReady(RuntimeError):
     """tritonserver exited or did not become ready in time; the message ends with its log tail."""
+
+
+class PortInUse(ServerNotReady):
+    """A port we were asked to serve on is taken before tritonserver starts."""
 
 
 class TritonServer:
@@ -114,6 +130,10 @@ class TritonServer:
                            **({"source": self.backend_source} if self.backend_source else {}))
         if self.use_free_ports:
             self.ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
+        busy = ports_in_use(self.ports.values())
+        if busy:   # else another server could answer our readiness probe
+            raise PortInUse(f"port(s) {', '.join(map(str, busy))} already in use; stop the "
+                            "other server, choose other ports, or pass --free-ports")
         if self.log_path is None:
             self.log_path = self.work_dir / "tritonserver.log"
         self._log_file = open(self.log_path, "ab")
