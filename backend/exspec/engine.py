@@ -157,10 +157,16 @@ class LLMEngine:
         """All prompts through the online loop; outputs in input order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{next(self._auto_ids)}" for _ in prompts]
-        results = {}
-        for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p)
-        while any(rid not in results or not results[rid].finish_reason for rid in ids):
+        pending = deque(zip(ids, prompts, params_list))
+        results, unfinished = {}, len(ids)
+        while unfinished:
+            while pending:   # feed the queue as it drains: generate never hits "busy"
+                rid, prompt, p = pending[0]
+                try:
+                    self.add_request(rid, prompt, p)
+                except EngineBusyError:
+                    break
+                pending.popleft()
             for out in self.step():
                 res = results.setdefault(out.request_id, CompletionOutput(out.request_id, []))
                 res.token_ids += out.new_token_ids
@@ -171,6 +177,7 @@ class LLMEngine:
                 res.num_accepted_draft_tokens = out.num_accepted_draft_tokens
                 if out.finished:
                     res.finish_reason, res.error = out.finish_reason, out.error
+                    unfinished -= 1
         return [results[rid] for rid in ids]
 
     def stats(self) -> dict:
