@@ -268,6 +268,12 @@ class TritonPythonModel:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
                     self._on_output(stream, output)
+                elif output.new_token_ids or not output.finished:
+                    # Its final response is already out (or the adapter failed it): the engine
+                    # broke "one finished output per request"; the client never sees this.
+                    pb_utils.Logger.log_warn(
+                        f"exspec: dropped an engine output for {output.request_id} after its "
+                        f"final response ({len(output.new_token_ids)} tokens)")
             if item.stats is not None:
                 self.metrics.tick(item.stats, self.k)
             if not self._streams:
