@@ -134,8 +134,18 @@ class LLMEngine:
         return self._emit(touched)
 
     def _emit(self, touched: list[tuple[Sequence, list[int], list[float] | None]]):
-        outputs, done = [], []
+        """One output per sequence per tick, however many times the tick touched it (a fresh
+        request is prefilled and may be stepped, even finished, in the same tick)."""
+        merged: dict[str, tuple[Sequence, list[int], list[float] | None]] = {}
         for seq, new_ids, new_lp in touched:
+            if seq.request_id in merged:
+                _, ids, lp = merged[seq.request_id]
+                merged[seq.request_id] = (seq, ids + new_ids,
+                                          None if new_lp is None else (lp or []) + new_lp)
+            else:
+                merged[seq.request_id] = (seq, list(new_ids), new_lp)
+        outputs, done = [], []
+        for seq, new_ids, new_lp in merged.values():
             if seq.finished:
                 done.append(seq.request_id)
             outputs.append(RequestOutput(

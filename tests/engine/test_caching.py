@@ -88,14 +88,14 @@ def test_shifted_positions_break_equivalence(pairs, reference, monkeypatch, arch
         assert_equivalent(outs, prompts, [20] * len(prompts), reference, pairs[arch, "target"], max_len)
 
 
-def test_skipped_cache_crop_breaks_equivalence(pairs, reference, monkeypatch):
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_skipped_cache_crop_breaks_equivalence(pairs, reference, monkeypatch, method):
     """Negative control: keeping rejected drafts in the target cache must be caught."""
-    from exspec.kv import PaddedKV
-    original = PaddedKV.drop_tail
-    monkeypatch.setattr(PaddedKV, "drop_tail", lambda self, counts: None)
+    from exspec.kv import PaddedKV, SlotKV
+    layout = SlotKV if method == "exspec" else PaddedKV
+    monkeypatch.setattr(layout, "drop_tail", lambda self, counts: None)
     prompts = make_prompts(320, pairs["llama", "eos"], seed=12, count=8)
-    engine = make_engine(pairs, "llama", "noisy", max_batch_size=8)
+    engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=8)
     outs = engine.generate(prompts, SamplingParams(max_tokens=20))
-    monkeypatch.setattr(PaddedKV, "drop_tail", original)
     with pytest.raises(AssertionError, match="differs at output position"):
         assert_equivalent(outs, prompts, [20] * len(prompts), reference, pairs["llama", "target"], 256)

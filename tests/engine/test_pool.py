@@ -73,6 +73,16 @@ def test_random_arrivals_and_aborts(pairs, reference, monkeypatch, method):
     assert len(live) == 0, f"{len(live)} cache objects still alive after the pool emptied"
 
 
+def test_a_request_admitted_and_finished_in_one_tick_gets_one_output(pairs, reference):
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=4)
+    prompt = make_prompts(320, pairs["llama", "eos"], seed=28, count=2)[1]
+    engine.add_request("short", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    outs = engine.step()   # prefill (1 token) and a k=5 step (the rest) in the same tick
+    assert [o.finished for o in outs] == [True], outs
+    assert outs[0].new_token_ids == outs[0].new_token_ids[:3] and len(outs[0].new_token_ids) == 3
+    assert outs[0].text_delta == engine.tokenizer.decode(outs[0].new_token_ids)
+
+
 def test_joins_never_reprefill_running_sequences(pairs):
     rng = random.Random(3)
     prompts = make_prompts(320, pairs["llama", "eos"], seed=22, count=16)
