@@ -59,6 +59,7 @@ def read_prompts(path: Path | None, limit: int) -> list[Prompt]:
         prompts.append(Prompt(row.get("question_id", n - 1), row.get("category", ""), row["turns"][0]))
     return prompts[:limit]
 
+
 # -- the cells -------------------------------------------------------------------------------------
 def cell_keys(methods: list[str], batch_size: int, k: int) -> list[CellKey]:
     keys = []
@@ -70,7 +71,9 @@ def cell_keys(methods: list[str], batch_size: int, k: int) -> list[CellKey]:
             keys.append(CellKey(method, batch_size, k, False))
     return keys
 
-def summarize(key: CellKey, runs: list[Run], reference: Reference) -> tuple[dict, list[dict]]:
+
+def summarize(key: CellKey, runs: list[Run], reference: Reference,
+              costs: CostModel) -> tuple[dict, list[dict]]:
     """One results.json cell (speedups are filled in once every cell is known)."""
     tps_runs = [run.tokens / run.seconds for run in runs]
     exact, prefix, divergences = reference.compare(key, runs)
@@ -92,8 +95,8 @@ def summarize(key: CellKey, runs: list[Run], reference: Reference) -> tuple[dict
             cell["realign_share"] = total["time_realign_s"] / total["time_step_s"]
         if total["steps"]:
             cell["equal_length_step_share"] = total["equal_length_steps"] / total["steps"]
-        if all(run.ideal_seconds for run in runs):
-            ideal = statistics.median(run.tokens / run.ideal_seconds for run in runs)
+        if row_steps:
+            ideal = statistics.median(run.tokens / costs.ideal_seconds(run.stats) for run in runs)
             cell["ideal_tokens_per_s"] = ideal
             cell["ideal_share"] = cell["tokens_per_s"] / ideal
     return cell, divergences
@@ -108,6 +111,7 @@ def add_speedups(cells: list[dict]) -> None:
         b1 = by.get((c["method"], 1, c["k"], c["adaptive_k"]))
         if b1:
             c["speedup_vs_batch1"] = c["tokens_per_s"] / b1["tokens_per_s"]
+
 
 # -- the command -----------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -184,6 +188,7 @@ def machine_info(args, costs: CostModel | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    began = time.perf_counter()
     args = parse_args(argv)
     command = "exspec-bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     torch.set_num_threads(args.threads)
@@ -230,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 for key in keys:
                     bar.set_postfix_str(f"B={batch_size} run {r + 1}/{args.repeats} {key.label}")
                     run = methods[key].run(prompts, args.max_tokens)
-                    if costs is not None and run.stats is not None:
-                        run.ideal_seconds = costs.ideal_seconds(run.stats)
+                    if run.stats is not None:   # sample its forward shapes under today's load
+                        costs.measure(costs.shapes(run.stats["steps_by_shape"]))
                     runs.setdefault(key, []).append(run)
                     bar.update()
             del methods
@@ -239,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cells, divergences = [], []
     for key, key_runs in tqdm(runs.items(), desc="equivalence", disable=not progress):
-        cell, div = summarize(key, key_runs, reference)
+        cell, div = summarize(key, key_runs, reference, costs)
         cells.append(cell)
         divergences += div
     add_speedups(cells)
@@ -249,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
               "max_tokens": args.max_tokens, "k": args.k, "batch_sizes": args.batch_sizes,
               "methods": args.methods, "repeats": args.repeats, "device": args.device,
               "dtype": args.dtype, "threads": args.threads, "greedy": True,
-              "ideal_cache_len": typical, "wall_s": round(time.perf_counter() - start, 1),
+              "ideal_cache_len": typical, "wall_s": round(time.perf_counter() - began, 1),
               "runs_wall_s": round(bench_seconds, 1)}
     results = {"schema": 1, "command": command, "machine": machine_info(args, costs),
                "config": config, "cells": cells}

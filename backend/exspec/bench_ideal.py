@@ -12,11 +12,12 @@ from .bench_methods import HFModels, sync
 class CostModel:
     """Median forward costs over a cache of typical length: draft(rows) = one draft forward with
     a 1-token query; target(rows, width) = one target forward at that query width (width 1 = a
-    plain decoding step). Each engine run's shapes are measured right after it, interleaved
-    round by round, so the ideal of a run sees the machine in the state the run saw (on a
-    shared machine, load drifts by more than the effects measured)."""
+    plain decoding step). After every engine run the benchmark samples that run's shapes a few
+    rounds (interleaved); a shape's cost is the median of all its samples, so on a shared
+    machine the costs see the same spread of load over the benchmark as the runs do.
+    """
 
-    ROUNDS = 5
+    ROUNDS = 3
     WARMUP = 1
 
     def __init__(self, hf: HFModels, cache_len: int, seed: int = 0):
@@ -38,8 +39,8 @@ class CostModel:
         return sorted(need)
 
     @torch.inference_mode()
-    def measure(self, shapes: list[tuple[str, int, int]]) -> dict[tuple[str, int, int], float]:
-        """Median seconds of each shape's forward, measured now."""
+    def measure(self, shapes: list[tuple[str, int, int]]) -> None:
+        """Add ROUNDS samples of each shape's forward, measured now, round by round."""
         device = self.hf.device
         for shape in shapes:
             self._prepare(shape)
@@ -56,10 +57,13 @@ class CostModel:
                 if r >= self.WARMUP:
                     times[shape].append(time.perf_counter() - start)
                 cache.crop(-shape[2])   # back to cache_len entries
-        table = {shape: statistics.median(values) for shape, values in times.items()}
-        for shape, seconds in table.items():
-            self.samples.setdefault(shape, []).append(seconds)
-        return table
+        for shape, values in times.items():
+            self.samples.setdefault(shape, []).extend(values)
+
+    def cost(self, shape: tuple[str, int, int]) -> float:
+        if shape not in self.samples:
+            self.measure([shape])
+        return statistics.median(self.samples[shape])
 
     def _prepare(self, shape: tuple[str, int, int]) -> None:
         """A cache of cache_len random tokens per (model, rows), and a query per shape."""
@@ -79,13 +83,15 @@ class CostModel:
             self._queries[shape] = (ids, pos)
 
     def ideal_seconds(self, stats: dict) -> float:
-        """Ideal time of one engine run, from costs measured now: each step it ran at its
-        (rows, k) (k drafts + one verification at width k+1, or one plain forward at k = 0),
-        plus the run's measured prefill time."""
-        t = self.measure(self.shapes(stats["steps_by_shape"]))
+        """Ideal time of one engine run: each step it ran at its (rows, k) (k draft forwards and
+        one verification at width k+1, or one plain forward at k = 0), plus its measured
+        prefill time."""
         steps = 0.0
         for (rows, k), n in stats["steps_by_shape"].items():
-            step = t["target", rows, 1] if k == 0 else k * t["draft", rows, 1] + t["target", rows, k + 1]
+            if k == 0:
+                step = self.cost(("target", rows, 1))
+            else:
+                step = k * self.cost(("draft", rows, 1)) + self.cost(("target", rows, k + 1))
             steps += n * step
         return steps + stats["time_prefill_s"]
 

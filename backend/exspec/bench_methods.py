@@ -43,8 +43,7 @@ class CellKey:
 class Run:
     seconds: float
     outputs: list[list[int]]
-    stats: dict | None = None            # engine stats difference over the run
-    ideal_seconds: float | None = None   # its analytic ideal (engine runs)
+    stats: dict | None = None   # engine stats difference over the run
 
     @property
     def tokens(self) -> int:

@@ -76,6 +76,12 @@ def findings(cells: list[dict]) -> list[str]:
             notes.append(f"{name}: at least as fast as autoregressive at every batch size measured")
     by = {(c["method"], c["batch_size"], c["adaptive_k"]): c for c in cells}
     for (method, b, adaptive), c in sorted(by.items(), key=lambda kv: str(kv[0])):
+        ar = by.get(("autoregressive", b, None))
+        if method in ("eqspec", "exspec") and ar and ar["ideal_tokens_per_s"] and c["ideal_tokens_per_s"]:
+            notes.append(f"B={b} {label(c)}: {c['speedup_vs_autoregressive']:.2f}× autoregressive "
+                         f"achieved; analytic ideal {c['ideal_tokens_per_s'] / ar['ideal_tokens_per_s']:.2f}× "
+                         "(ideal ÷ ideal)")
+    for (method, b, adaptive), c in sorted(by.items(), key=lambda kv: str(kv[0])):
         if method != "exspec":
             continue
         eq = by.get(("eqspec", b, adaptive))
