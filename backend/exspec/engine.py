@@ -168,8 +168,8 @@ class LLMEngine:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{next(self._auto_ids)}" for _ in prompts]
         pending = deque(zip(ids, prompts, params_list))
-        results, unfinished = {}, len(ids)
-        while unfinished:
+        results, finished = {}, set()
+        while len(finished) < len(ids):
             while pending:   # feed the queue as it drains: generate never hits "busy"
                 rid, prompt, p = pending[0]
                 try:
@@ -187,7 +187,7 @@ class LLMEngine:
                 res.num_accepted_draft_tokens = out.num_accepted_draft_tokens
                 if out.finished:
                     res.finish_reason, res.error = out.finish_reason, out.error
-                    unfinished -= 1
+                    finished.add(out.request_id)
         return [results[rid] for rid in ids]
 
     def stats(self) -> dict:
