@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .faults import Faults
+
 METHODS = ("exspec", "eqspec", "autoregressive")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -29,6 +31,8 @@ class EngineConfig:
     dtype: str = "float32"
     trust_remote_code: bool = False
     seed: int = 0                         # for requests that sample without a seed of their own
+    tick_timeout_s: float | None = None   # the Triton adapter's watchdog: a longer tick is fatal
+    fault_injection: dict | None = None   # tests only: see faults.py; off unless set here
     extra: dict = field(default_factory=dict, repr=False)  # reserved; must stay empty
 
     def __post_init__(self):
@@ -58,6 +62,9 @@ class EngineConfig:
             raise ValueError(f"max_skipped_ticks {self.max_skipped_ticks} cannot be kept: stepping "
                              f"{self.max_num_seqs} sequences {self.max_batch_size} at a time takes "
                              f"{rounds} ticks; raise it to >= {rounds - 1} or lower max_num_seqs")
+        Faults(self.fault_injection)   # validates the keys now, at model load
+        if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
+            raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
         if self.extra:
             raise ValueError(f"unknown engine config keys: {', '.join(sorted(self.extra))}")
 

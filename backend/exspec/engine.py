@@ -14,6 +14,7 @@ from collections import deque
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .errors import EngineBusyError, InvalidRequestError
+from .faults import Faults
 from .kv import PaddedKV, SlotKV
 from .models import load_pair
 from .outputs import CompletionOutput, RequestOutput
@@ -54,7 +55,9 @@ class LLMEngine:
         pad_id = self.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else min(self.eos_ids, default=0)
         layout = SlotKV if config.method == "exspec" else PaddedKV
-        self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_, layout)
+        self.faults = Faults(config.fault_injection)
+        self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_,
+                                  layout, self.faults)
         self.pool = SequencePool(config, self.runner, self.stats_)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -125,6 +128,7 @@ class LLMEngine:
         with self._lock:
             incoming, self._incoming = list(self._incoming), deque()
             aborts, self._aborts = self._aborts, set()
+        self.faults.before_tick()
         self.pool.enqueue(incoming)
         touched = self.pool.abort(aborts)
         try:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 import traceback
+
+import torch
 from collections import deque
 
 from .config import EngineConfig
@@ -121,8 +123,10 @@ class SequencePool:
                 self.stats.add("realign_bytes", moved)
                 if moved:
                     self.stats.add("realign_steps")
-        except Exception:
+        except Exception as exc:
             self.groups = [g for g in self.groups if g is not group]
+            if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
+                torch.cuda.empty_cache()   # the failed group's caches are gone; give memory back
             return self._fail(seqs, traceback.format_exc(limit=3))
         for other in self.groups:
             if other is not group:

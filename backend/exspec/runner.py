@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .faults import Faults
 from .group import Group
 from .kv import PaddedKV
 from .sampler import RowSampling, accept, probs_from_logits, sample
@@ -26,7 +27,9 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, target, draft, pad_id: int, device: str, stats: Stats, kv_layout=PaddedKV):
+    def __init__(self, target, draft, pad_id: int, device: str, stats: Stats, kv_layout=PaddedKV,
+                 faults: Faults | None = None):
+        self.faults = faults or Faults(None)
         self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or SlotKV (EXSPEC, ragged)
         self.target = target
         self.draft = draft
@@ -50,6 +53,7 @@ class ModelRunner:
         return ids.to(self.device), pos.to(self.device), valid.to(self.device), counts
 
     def _forward(self, model, kv, ids, pos, valid, counts: list[int], keep: int):
+        self.faults.before_forward()
         out = model(input_ids=ids, attention_mask=kv.attention_mask(valid, counts), position_ids=pos,
                     cache=kv.cache, use_cache=True, logits_to_keep=keep)
         kv.appended(valid, counts)

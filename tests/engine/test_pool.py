@@ -255,3 +255,30 @@ def test_scheduler_picks_starving_group_and_merges_equal_lengths():
     assert plan.groups == [big, small_same], "top up with the equal-length group"
     plan = sched.choose([big, small_same, small_other, starving])
     assert plan.groups[0] is starving and sum(len(g) for g in plan.groups) <= 4
+
+
+@pytest.mark.parametrize("fault", ["forward_error_every", "forward_oom_every"])
+def test_injected_forward_faults_fail_only_their_group(pairs, reference, fault):
+    from exspec.faults import EngineCrash  # noqa: F401  (the module documents the keys)
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2,
+                         max_num_seqs=8, fault_injection={fault: 23})
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=29, count=8)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=20))
+    failed = [o for o in outs if o.finish_reason == "error"]
+    assert failed and len(failed) < len(outs), [o.finish_reason for o in outs]
+    assert all("injected fault" in o.error for o in failed)
+    for o, p in zip(outs, prompts):
+        if o.finish_reason != "error":
+            assert o.token_ids == reference(pairs["llama", "target"], p, 20)
+    assert engine.stats()["pool_seqs"] == 0
+
+
+def test_injected_crash_escapes_the_tick_and_bad_fault_keys_are_refused(pairs):
+    from exspec.faults import EngineCrash
+    engine = make_engine(pairs, "llama", "noisy", fault_injection={"crash_after_ticks": 2})
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50))
+    engine.step()
+    with pytest.raises(EngineCrash):
+        engine.step()
+    with pytest.raises(ValueError, match="unknown fault_injection keys: explode"):
+        make_engine(pairs, "llama", "noisy", fault_injection={"explode": 1})
