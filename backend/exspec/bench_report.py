@@ -59,36 +59,36 @@ def order(cell: dict) -> tuple:
 
 
 def findings(cells: list[dict]) -> list[str]:
-    """Plain observations computed from the cells (no thresholds tuned here)."""
-    notes = []
-    series: dict[str, list[dict]] = {}
-    for c in cells:
-        series.setdefault(label(c), []).append(c)
-    for name, group in sorted(series.items()):
-        if group[0]["method"] not in ("eqspec", "exspec"):
-            continue
-        group.sort(key=lambda c: c["batch_size"])
-        losing = [c["batch_size"] for c in group
-                  if c["speedup_vs_autoregressive"] is not None and c["speedup_vs_autoregressive"] < 1]
-        if losing:
-            notes.append(f"{name}: slower than autoregressive at batch sizes {losing}")
-        elif any(c["speedup_vs_autoregressive"] is not None for c in group):
-            notes.append(f"{name}: at least as fast as autoregressive at every batch size measured")
+    """Speculation against autoregressive, batch size by batch size: achieved speedup, the
+    analytic ideal's speedup (ideal ÷ ideal) and exspec's realign share relative to eqspec's."""
     by = {(c["method"], c["batch_size"], c["adaptive_k"]): c for c in cells}
-    for (method, b, adaptive), c in sorted(by.items(), key=lambda kv: str(kv[0])):
-        ar = by.get(("autoregressive", b, None))
-        if method in ("eqspec", "exspec") and ar and ar["ideal_tokens_per_s"] and c["ideal_tokens_per_s"]:
-            notes.append(f"B={b} {label(c)}: {c['speedup_vs_autoregressive']:.2f}× autoregressive "
-                         f"achieved; analytic ideal {c['ideal_tokens_per_s'] / ar['ideal_tokens_per_s']:.2f}× "
-                         "(ideal ÷ ideal)")
-    for (method, b, adaptive), c in sorted(by.items(), key=lambda kv: str(kv[0])):
-        if method != "exspec":
-            continue
-        eq = by.get(("eqspec", b, adaptive))
-        if eq and eq["realign_share"] and c["realign_share"] is not None:
-            notes.append(f"B={b} {label(c)}: realign share {_pct(c['realign_share'], 2)} vs eqspec "
-                         f"{_pct(eq['realign_share'], 2)} ({c['realign_share'] / eq['realign_share']:.2f}×)")
-    return notes
+    sizes = sorted({c["batch_size"] for c in cells})
+    head = "| × autoregressive (achieved / ideal ÷ ideal) | " + " | ".join(f"B={b}" for b in sizes) + " |"
+    lines = [head, "|---|" + "---|" * len(sizes)]
+    for method in ("eqspec", "exspec"):
+        for adaptive in (True, False):
+            row = [by.get((method, b, adaptive)) for b in sizes]
+            if not any(row):
+                continue
+            cells_md = []
+            for b, c in zip(sizes, row):
+                ar = by.get(("autoregressive", b, None))
+                ideal = (c["ideal_tokens_per_s"] / ar["ideal_tokens_per_s"]
+                         if c and ar and c["ideal_tokens_per_s"] and ar["ideal_tokens_per_s"] else None)
+                cells_md.append("–" if c is None else
+                                f"{_num(c['speedup_vs_autoregressive'])} / {_num(ideal)}")
+            lines.append(f"| {label(next(c for c in row if c))} | " + " | ".join(cells_md) + " |")
+    ratios = []
+    for b in sizes:
+        ex, eq = by.get(("exspec", b, False)), by.get(("eqspec", b, False))
+        ok = ex and eq and ex["realign_share"] is not None and eq["realign_share"]
+        ratios.append(f"{_pct(ex['realign_share'], 1)} vs {_pct(eq['realign_share'], 1)}" if ok else "–")
+    lines.append("| realign share, exspec vs eqspec (fixed k) | " + " | ".join(ratios) + " |")
+    losing = sorted({f"{label(c)} at B={c['batch_size']}" for c in cells
+                     if c["method"] in ("eqspec", "exspec") and c["speedup_vs_autoregressive"] is not None
+                     and c["speedup_vs_autoregressive"] < 1})
+    lines += ["", "Slower than autoregressive: " + (", ".join(losing) if losing else "nowhere") + "."]
+    return lines
 
 
 def markdown(results: dict, divergences: list[dict]) -> str:
@@ -109,9 +109,9 @@ def markdown(results: dict, divergences: list[dict]) -> str:
         "included); realign = share of step time spent forming, splitting or realigning groups; "
         "ideal = analytic ideal from measured forward costs (DESIGN §3.7).", "",
         table(results["cells"]), "",
-        "## Findings", "",
+        "## Speculation against autoregressive", "",
     ]
-    lines += [f"- {n}" for n in findings(results["cells"])] or ["- none"]
+    lines += findings(results["cells"])
     lines += ["", "## Divergences from the reference", ""]
     if not divergences:
         lines.append("None: every row of every run equals the reference token for token.")
