@@ -16,7 +16,7 @@ from .detokenizer import Detokenizer
 from .errors import EngineBusyError, InvalidRequestError
 from .faults import Faults
 from .kv import PaddedKV, SlotKV
-from .models import load_pair
+from .models import ModelPair, load_pair
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
 from .pool import SequencePool
@@ -40,9 +40,11 @@ def kv_token_budget(device: str, *models, share: float = 0.9) -> int:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, pair: ModelPair | None = None):
+        """`pair`: models already loaded (e.g. by another engine) to share instead of loading."""
         self.config = config
-        pair = load_pair(config)
+        pair = pair or load_pair(config)
+        self.pair = pair
         self.tokenizer = pair.tokenizer
         self.target, self.draft = pair.target, pair.draft
         self.eos_ids = pair.eos_ids

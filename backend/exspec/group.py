@@ -51,7 +51,7 @@ class Group:
 
     def acceptance(self, prior: float) -> float:
         """Mean recent acceptance of the rows (prior for rows not yet measured)."""
-        values = [s.acceptance_ema if s.acceptance_ema is not None else prior for s in self.seqs]
+        values = [prior if s.acceptance_estimate is None else s.acceptance_estimate for s in self.seqs]
         return sum(values) / len(values)
 
     def kv_tokens(self) -> int:

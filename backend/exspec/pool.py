@@ -108,10 +108,12 @@ class SequencePool:
             self.stats.add("sticky_steps")
         try:
             self.stats.sync()
-            start = time.perf_counter()
+            start, catch_up = time.perf_counter(), self.stats.seconds["prefill"]
             result = self.runner.step(group, k)
             self.stats.sync()
-            self.scheduler.observe(group, k, time.perf_counter() - start, sum(result.num_accepted))
+            # the step's cost at this k, without a one-off draft catch-up prefill
+            seconds = time.perf_counter() - start - (self.stats.seconds["prefill"] - catch_up)
+            self.scheduler.observe(group, k, seconds, result.num_accepted)
             group.stepped_last_tick = True
             for other in self.groups:
                 if other is not group:

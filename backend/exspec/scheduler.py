@@ -23,19 +23,27 @@ class Plan:
 class AdaptiveK:
     """k per group from measured acceptance and measured step cost, with hysteresis.
 
-    Expected committed tokens per row-step at acceptance a and k drafts: (1 - a^(k+1)) / (1 - a).
-    Step cost per (batch size, k) is an exponential moving average of measured step times;
-    an unmeasured (batch size, k) is tried once (an optimistic prior), so the table fills itself.
+    Expected committed tokens per row-step at per-token acceptance a and k drafts:
+    (1 - a^(k+1)) / (1 - a). The acceptance a is estimated per sequence (and pool-wide, as the
+    prior for new sequences) as accepted / (accepted + rejections) over recent steps: each
+    step accepts a run of drafts and ends in at most one rejection. Step cost per (batch size,
+    k) is an exponential moving average of measured step times; an unmeasured (batch size, k)
+    is tried once (an optimistic prior), so the table fills itself.
     """
 
     GAIN_TO_SWITCH = 1.10   # hysteresis: change k only for a 10% better expected rate
-    PROBE_EVERY = 32        # plain steps before speculation is tried again
+    PROBE_EVERY = 8         # plain steps before speculation is tried again
     EMA = 0.2
+    DECAY = 0.9             # of the pool-wide acceptance counts, per speculative step
 
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.step_time: dict[tuple[int, int], float] = {}
-        self.acceptance = 0.7   # pool-wide prior, refined by every speculative step
+        self.recent_accepted, self.recent_rejections = 7.0, 3.0   # prior: acceptance 0.7
+
+    @property
+    def acceptance(self) -> float:
+        return self.recent_accepted / (self.recent_accepted + self.recent_rejections)
 
     def expected_tokens(self, acceptance: float, k: int) -> float:
         a = min(max(acceptance, 0.0), 0.999)
@@ -59,13 +67,14 @@ class AdaptiveK:
             return best
         return current
 
-    def observe(self, batch: int, k: int, seconds: float, accepted: int) -> None:
+    def observe(self, batch: int, k: int, seconds: float, accepted: list[int]) -> None:
         key = (batch, k)
         old = self.step_time.get(key)
         self.step_time[key] = seconds if old is None else old + self.EMA * (seconds - old)
         if k > 0:
-            rate = accepted / (k * batch)
-            self.acceptance += self.EMA * (rate - self.acceptance)
+            self.recent_accepted = self.DECAY * self.recent_accepted + sum(accepted)
+            self.recent_rejections = (self.DECAY * self.recent_rejections
+                                      + sum(a < k for a in accepted))
 
 
 class Scheduler:
@@ -131,7 +140,7 @@ class Scheduler:
             k = self.adaptive.choose(group, k)
         return k
 
-    def observe(self, group: Group, k: int, seconds: float, accepted: int) -> None:
+    def observe(self, group: Group, k: int, seconds: float, accepted: list[int]) -> None:
         group.k = k
         group.plain_steps_in_a_row = group.plain_steps_in_a_row + 1 if k == 0 else 0
         if self.adaptive is not None:

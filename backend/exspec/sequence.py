@@ -34,7 +34,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.skipped_ticks = 0
-        self.acceptance_ema: float | None = None   # recent accepted / proposed drafts
+        # Per-draft-token acceptance, estimated from decayed counts of accepted drafts and of
+        # rejections (a step with a < k drafts accepted ends in exactly one rejection).
+        self.recent_accepted = 0.0
+        self.recent_rejections = 0.0
         self.logprobs: list[float] = []
         self.arrival_time = time.monotonic()
         seed = params.seed if params.seed is not None else default_seed
@@ -91,12 +94,16 @@ class Sequence:
             self.detokenizer.update(self.output_ids)
         return committed
 
-    def observe_acceptance(self, accepted: int, proposed: int) -> None:
+    def observe_acceptance(self, accepted: int, proposed: int, decay: float = 0.8) -> None:
         self.num_draft_tokens += proposed
         self.num_accepted_draft_tokens += accepted
-        rate = accepted / proposed
-        old = self.acceptance_ema
-        self.acceptance_ema = rate if old is None else old + 0.3 * (rate - old)
+        self.recent_accepted = decay * self.recent_accepted + accepted
+        self.recent_rejections = decay * self.recent_rejections + (accepted < proposed)
+
+    @property
+    def acceptance_estimate(self) -> float | None:
+        seen = self.recent_accepted + self.recent_rejections
+        return self.recent_accepted / seen if seen else None
 
     def finish(self, reason: str, error: str | None = None) -> None:
         if not self.finished:
