@@ -19,18 +19,25 @@ class FeedLog:
     def __call__(self, module, args, kwargs):
         ids, mask, pos = kwargs["input_ids"], kwargs["attention_mask"], kwargs["position_ids"]
         q = ids.shape[1]
-        new_valid = mask[:, -q:].bool()
+        if mask.dim() == 2:   # EQSPEC: a padding mask over [cache, new tokens]
+            real = mask[:, -q:].bool()
+            seen_before = mask.cumsum(1)[:, -q:] - 1
+        else:                 # EXSPEC: a 4D additive mask, one row of allowed columns per query
+            seen_before = (mask[:, 0] == 0).sum(-1) - 1
+            real = pos == seen_before   # pad queries carry position 0 and see more than that
+            assert ((pos == seen_before) | (pos == 0)).all()
         # I1 + I3: a real query token's position equals the number of real entries before it
         # in its row (cache and earlier queries), i.e. its index in a standalone run.
-        seen_before = mask.cumsum(1)[:, -q:] - 1
-        bad = new_valid & (pos != seen_before)
+        bad = real & (pos != seen_before)
         assert not bad.any(), f"position ids {pos[bad].tolist()} != {seen_before[bad].tolist()}"
-        self.calls.append((ids.shape[0], q, int(new_valid.sum())))
+        self.calls.append((ids.shape[0], q, int(real.sum())))
 
 
-def test_each_model_is_fed_each_token_once(pairs):
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_each_model_is_fed_each_token_once(pairs, method):
     k, n_prompts, max_tokens = 3, 5, 21
-    engine = make_engine(pairs, "llama", "noisy", num_speculative_tokens=k, max_batch_size=8)
+    engine = make_engine(pairs, "llama", "noisy", method=method, num_speculative_tokens=k,
+                         max_batch_size=8)
     target_log, draft_log = FeedLog(engine.target), FeedLog(engine.draft)
     prompts = make_prompts(320, pairs["llama", "eos"], seed=5, count=n_prompts)
     engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
