@@ -53,3 +53,16 @@ gpu-check: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Locust against a running server (make serve, or exspec-serve --free-ports): a gRPC-stream
+# and an HTTP-SSE user class, USERS of each, RUN_TIME seconds; locust's CSVs go to
+# runs/load/NAME_*.csv and a summary table is printed. More options: LOAD_ARGS="--max-tokens
+# 128 --num-speculative-tokens 0 --grpc-url HOST:PORT --prompts-file question.jsonl".
+URL      ?= http://127.0.0.1:8000
+USERS    ?= 4
+RUN_TIME ?= 60
+NAME     ?= run
+.PHONY: load
+load: venv
+	$(BIN)/python load_tests/run.py --url $(URL) --users $(USERS) --run-time $(RUN_TIME) \
+		--out runs/load/$(NAME) $(LOAD_ARGS)
