@@ -1,0 +1,303 @@
+"""The Helm chart and the KServe objects, offline: render every values file, lint, reject values
+that break the schema, validate every object against two Kubernetes versions' schemas, and
+check that the objects agree with each other and with the exspec code."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import yaml
+
+from conftest import (CHART, KSERVE, VALUES_FILES, deep_merge, load_values, need_module, one,
+                      registry_series, render)
+
+KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
+# Kinds whose schemas come with their operators, not with Kubernetes: allowed without one.
+CUSTOM_RESOURCES = {
+    ("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("keda.sh/v1alpha1", "ScaledObject"), ("serving.kserve.io/v1alpha1", "ServingRuntime"),
+    ("serving.kserve.io/v1beta1", "InferenceService"),
+}
+
+
+@pytest.fixture(scope="module", params=VALUES_FILES)
+def rendered(request):
+    return request.param, render(load_values(request.param))
+
+
+def kserve_objects() -> list[dict]:
+    return [doc for path in sorted(KSERVE.glob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def pod_spec(docs) -> dict:
+    return one(docs, "Deployment")["spec"]["template"]["spec"]
+
+
+def container(docs) -> dict:
+    (c,) = pod_spec(docs)["containers"]
+    return c
+
+
+def args_of(c: dict) -> dict:
+    return dict(a[2:].split("=", 1) for a in c["args"] if a.startswith("--") and "=" in a)
+
+
+def model_config(docs) -> tuple[str, dict]:
+    data = one(docs, "ConfigMap", "-model")["data"]
+    import json
+    return data["config.pbtxt"], json.loads(data["model.json"])
+
+
+def pbtxt_parameters(pbtxt: str) -> dict:
+    return dict(re.findall(r'key: "([^"]+)", value: \{ string_value: "([^"]*)" \}', pbtxt))
+
+
+# -- render, lint, schema --------------------------------------------------------------------
+@pytest.mark.parametrize("name", VALUES_FILES)
+def test_every_values_file_renders_and_lints_clean(name):
+    helm = need_module("helm_python")
+    docs = render(load_values(name))
+    kinds = sorted(d["kind"] for d in docs)
+    assert {"ConfigMap", "Deployment", "Service"} <= set(kinds), kinds
+    report = helm.lint(str(CHART), load_values(name), strict=True, kube_version="v1.29.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, f"helm lint on {name}.yaml: {problems}"
+
+
+def test_defaults_render_without_a_values_file():
+    docs = render()
+    assert one(docs, "Deployment")
+
+
+SCHEMA_VIOLATIONS = {
+    "unknown top-level key": {"replicas": 3},
+    "unknown engine-free model key": {"model": {"name": "other"}},
+    "placement cpu with GPUs": {"model": {"placement": "cpu", "gpus": 2}},
+    "per-gpu with no GPU": {"model": {"placement": "per-gpu", "gpus": 0}},
+    "multi-gpu on one GPU": {"model": {"placement": "multi-gpu", "gpus": 1}},
+    "deviceMap without multi-gpu": {"model": {"deviceMap": "auto"}},
+    "unknown placement": {"model": {"placement": "tpu"}},
+    "engine dtype": {"model": {"engine": {"dtype": "int4"}}},
+    "negative k": {"model": {"engine": {"num_speculative_tokens": -1}}},
+    "pvc without a claim": {"modelStore": {"type": "pvc", "claimName": ""}},
+    "relative drain file": {"drain": {"file": "drain"}},
+    "stream length zero": {"longestStreamSeconds": 0},
+    "extra arg not a flag": {"extraArgs": ["model-repository=/x"]},
+    "unknown autoscaler": {"autoscaling": {"engine": "vpa"}},
+    "shm size not a quantity": {"shmSize": "lots"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCHEMA_VIOLATIONS))
+def test_values_that_break_the_schema_are_refused(case):
+    helm = need_module("helm_python")
+    values = deep_merge(load_values("gpu"), SCHEMA_VIOLATIONS[case])
+    with pytest.raises(helm.HelmValuesError):
+        render(values)
+
+
+# -- Kubernetes schemas ----------------------------------------------------------------------
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_object_validates_strictly_against_kubernetes(rendered, version):
+    kv = need_module("kubernetes_validate")
+    name, docs = rendered
+    checked = []
+    for doc in docs + kserve_objects():
+        what = f"{name}.yaml {doc['kind']}/{doc['metadata']['name']} on Kubernetes {version}"
+        try:
+            kv.validate(doc, version, strict=True)
+            checked.append(doc["kind"])
+        except kv.SchemaNotFoundError:
+            assert (doc["apiVersion"], doc["kind"]) in CUSTOM_RESOURCES, \
+                f"{what}: no schema and not a listed custom resource"
+        except kv.ValidationError as exc:
+            path = ".".join(map(str, exc.path))
+            pytest.fail(f"{what}: {path}: {exc.message}")
+    assert "Deployment" in checked and "Service" in checked
+
+
+def test_strict_validation_catches_a_misspelt_field():
+    kv = need_module("kubernetes_validate")
+    doc = one(render(load_values("cpu")), "Deployment")
+    doc["spec"]["template"]["spec"]["terminationGracePeriod"] = 30
+    with pytest.raises(kv.ValidationError):
+        kv.validate(doc, KUBERNETES_VERSIONS[0], strict=True)
+
+
+# -- cross references ------------------------------------------------------------------------
+def test_selectors_match_the_pod_labels(rendered):
+    _, docs = rendered
+    labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    selectors = [one(docs, "Deployment")["spec"]["selector"]["matchLabels"]]
+    selectors += [d["spec"]["selector"] for d in docs if d["kind"] == "Service"]
+    selectors += [d["spec"]["selector"]["matchLabels"] for d in docs
+                  if d["kind"] in ("PodDisruptionBudget", "PodMonitor")]
+    for selector in selectors:
+        assert selector and selector.items() <= labels.items(), (selector, labels)
+
+
+def test_services_target_named_container_ports(rendered):
+    _, docs = rendered
+    ports = {p["name"]: p["containerPort"] for p in container(docs)["ports"]}
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    args = args_of(container(docs))
+    assert (int(args["http-port"]), int(args["grpc-port"]), int(args["metrics-port"])) == \
+        (8000, 8001, 8002)
+    for service in (d for d in docs if d["kind"] == "Service"):
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in ports, port
+            assert port["port"] == ports[port["targetPort"]], port
+            if port["name"] == "grpc":
+                assert port["appProtocol"] == "kubernetes.io/h2c"
+    for monitor in (d for d in docs if d["kind"] == "PodMonitor"):
+        assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= set(ports)
+
+
+def test_probes_hit_triton_health_on_the_http_port(rendered):
+    name, docs = rendered
+    c = container(docs)
+    expected = {"startupProbe": "/v2/health/ready", "readinessProbe": "/v2/health/ready",
+                "livenessProbe": "/v2/health/live"}
+    for probe, path in expected.items():
+        assert c[probe]["httpGet"] == {"path": path, "port": "http"}, (probe, c[probe])
+    startup = c["startupProbe"]
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    assert budget >= load_values(name)["startupSeconds"], "startup probe gives up before the model loads"
+
+
+def test_grace_period_covers_prestop_plus_exit_timeout_and_the_drain(rendered):
+    _, docs = rendered
+    spec, c = pod_spec(docs), container(docs)
+    pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[:2] == ["/bin/sh", "-c"]
+    sleep = int(re.search(r"sleep (\d+)", pre_stop[2]).group(1))
+    args = args_of(c)
+    exit_timeout = int(args["exit-timeout-secs"])
+    assert spec["terminationGracePeriodSeconds"] >= sleep + exit_timeout
+    pbtxt, _ = model_config(docs)
+    params = pbtxt_parameters(pbtxt)
+    drain = float(params["drain_timeout_s"])
+    # The model ends late streams before Triton gives up on them, with time for the responses.
+    assert drain + 5 <= sleep + exit_timeout, (drain, sleep, exit_timeout)
+    # preStop creates the very file the model watches, in a writable volume.
+    assert f"touch {params['drain_file']}" in pre_stop[2]
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert params["drain_file"].rsplit("/", 1)[0] in mounts
+    # A connection past its age still finishes its longest stream.
+    assert int(args["grpc-max-connection-age-grace"]) >= drain * 1000
+
+
+def test_dev_shm_is_an_in_memory_volume(rendered):
+    _, docs = rendered
+    mounts = {m["mountPath"]: m["name"] for m in container(docs)["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    assert "/dev/shm" in mounts, "the Python backend needs /dev/shm"
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+
+
+def test_config_files_are_mounted_over_the_image_repository(rendered):
+    _, docs = rendered
+    c = container(docs)
+    assert args_of(c)["model-repository"] == "/models"
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert mounts["/models/exspec/config.pbtxt"]["subPath"] == "config.pbtxt"
+    assert mounts["/models/exspec/1/model.json"]["subPath"] == "model.json"
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["HF_HUB_OFFLINE"] == "1", "pods must never download weights"
+
+
+def test_gpu_limits_match_the_instance_group(rendered):
+    name, docs = rendered
+    c = container(docs)
+    gpus = int(c["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+    assert int(c["resources"]["requests"].get("nvidia.com/gpu", 0)) == gpus
+    pbtxt, engine = model_config(docs)
+    group = re.search(r"instance_group \[ \{ (.*) \} \]", pbtxt).group(1)
+    placement = load_values(name)["model"]["placement"]
+    if placement == "cpu":
+        assert gpus == 0 and "kind: KIND_CPU" in group
+    elif placement == "per-gpu":
+        ids = [int(x) for x in re.search(r"gpus: \[ ([0-9, ]+) \]", group).group(1).split(",")]
+        assert "kind: KIND_GPU" in group and "count: 1" in group
+        assert ids == list(range(gpus)), f"instances on GPUs {ids} but the pod has {gpus}"
+        assert "device_map" not in engine
+    else:
+        assert "kind: KIND_MODEL" in group and "count: 1" in group and gpus >= 2
+        assert engine["device"] == "cuda:0" and engine.get("device_map")
+
+
+def test_every_metric_the_autoscalers_and_rules_use_is_exported_by_exspec(rendered):
+    name, docs = rendered
+    known = registry_series()
+    used = set()
+    for doc in docs:
+        if doc["kind"] == "HorizontalPodAutoscaler":
+            used |= {m["pods"]["metric"]["name"] for m in doc["spec"]["metrics"]}
+        elif doc["kind"] == "ScaledObject":
+            used |= {n for t in doc["spec"]["triggers"] for n in metric_names(t["metadata"]["query"])}
+        elif doc["kind"] == "PrometheusRule":
+            for group in doc["spec"]["groups"]:
+                for rule in group["rules"]:
+                    used |= metric_names(rule["expr"])
+    recorded = {r["record"] for d in docs if d["kind"] == "PrometheusRule"
+                for g in d["spec"]["groups"] for r in g["rules"] if "record" in r}
+    unknown = sorted(used - known - recorded)
+    assert not unknown, f"{name}.yaml uses metrics exspec does not export: {unknown}"
+    if load_values(name)["autoscaling"]["enabled"]:
+        assert "exspec:num_requests_waiting" in used
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names in a PromQL expression: names with a colon, or ending in a metric suffix."""
+    expr = re.sub(r'"[^"]*"', '""', expr)            # label values
+    expr = re.sub(r"\{[^}]*\}", "", expr)             # matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)           # ranges
+    expr = re.sub(r"\b(by|without)\s*\([^)]*\)", "", expr)
+    words = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr))
+    functions = {"sum", "avg", "rate", "histogram_quantile", "max", "min", "count", "irate",
+                 "increase", "and", "or", "unless", "on", "ignoring"}
+    return {w for w in words if w not in functions and (":" in w or w.endswith("_total"))}
+
+
+def test_only_one_autoscaler_at_a_time():
+    for name in VALUES_FILES:
+        docs = render(load_values(name))
+        scalers = [d["kind"] for d in docs if d["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]
+        auto = load_values(name)["autoscaling"]
+        assert len(scalers) == (1 if auto["enabled"] else 0), (name, scalers)
+        deployment = one(docs, "Deployment")
+        assert ("replicas" in deployment["spec"]) == (not auto["enabled"]), \
+            f"{name}: a fixed replica count would fight the autoscaler"
+        for hpa in (d for d in docs if d["kind"] == "HorizontalPodAutoscaler"):
+            assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+            behavior = hpa["spec"]["behavior"]
+            assert behavior["scaleUp"]["stabilizationWindowSeconds"] < \
+                behavior["scaleDown"]["stabilizationWindowSeconds"]
+
+
+# -- KServe ----------------------------------------------------------------------------------
+def test_kserve_runtime_and_service_agree():
+    objects = {d["kind"]: d for d in kserve_objects()}
+    runtime, isvc = objects["ServingRuntime"], objects["InferenceService"]
+    model = isvc["spec"]["predictor"]["model"]
+    assert model["runtime"] == runtime["metadata"]["name"]
+    assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
+    (c,) = runtime["spec"]["containers"]
+    args = args_of(c)
+    ports = {p["containerPort"] for p in c["ports"]}
+    assert {int(args["http-port"]), int(args["grpc-port"]), int(args["metrics-port"])} <= ports
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["port"] == int(args["http-port"])
+    sleep = int(re.search(r"sleep (\d+)", c["lifecycle"]["preStop"]["exec"]["command"][2]).group(1))
+    grace = isvc["spec"]["predictor"]["terminationGracePeriodSeconds"]
+    assert grace >= sleep + int(args["exit-timeout-secs"])
+    gpus = model["resources"]["limits"]["nvidia.com/gpu"]
+    assert int(gpus) == 1
+    readme = (KSERVE / "README.md").read_text()
+    drain = float(re.search(r'"drain_timeout_s", value: \{ string_value: "(\d+)"', readme).group(1))
+    assert drain + 5 <= sleep + int(args["exit-timeout-secs"])
+    assert "/dev/shm/exspec-drain" in readme and "touch /dev/shm/exspec-drain" in \
+        c["lifecycle"]["preStop"]["exec"]["command"][2]
+    assert math.isfinite(drain)
