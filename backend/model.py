@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -97,6 +98,12 @@ class _StepFailed:
     message: str
 
 
+@dataclass
+class _EngineDead:
+    """The engine thread died, or a tick ran past tick_timeout_s: no tick will run again."""
+    message: str
+
+
 class _AbortAll:
     """finalize: abort everything in flight; each request still gets its final response."""
 
@@ -138,6 +145,9 @@ class TritonPythonModel:
         self._sends: queue.Queue = queue.Queue()
         self._stop_engine = threading.Event()   # read by the engine thread only
         self._streams: dict[str, Stream] = {}    # owned by the send thread
+        self.tick_timeout_s = engine_config.tick_timeout_s   # the watchdog's limit; None: off
+        self._tick_started: float | None = None  # set by the engine thread during a tick
+        self._dead: str | None = None            # why the engine stopped; set by the send thread
         self._engine_thread = threading.Thread(target=self._engine_loop, name="exspec-engine",
                                                daemon=True)
         self._send_thread = threading.Thread(target=self._send_loop, name="exspec-send",
@@ -191,6 +201,8 @@ class TritonPythonModel:
                 tag = bool(parameters.get(ERROR_CODE_TAG_PARAMETER, False))
                 if not self._intake_open:
                     raise EngineBusyError("the model is shutting down; retry on another server")
+                if self._dead:
+                    raise EngineBusyError(self._dead)
                 parsed = parse_request(_inputs(request), parameters)
             except (InvalidRequestError, EngineBusyError) as exc:
                 self.metrics.rejected()
@@ -220,11 +232,15 @@ class TritonPythonModel:
     def _engine_loop(self):
         try:
             while True:
+                if self._dead:   # the watchdog gave up on this thread's last tick
+                    self._stop_engine.wait()
+                    break
                 if not self.engine.has_unfinished():
                     if self._stop_engine.is_set():
                         break
                     self.engine.wait_for_work(timeout=0.5)
                     continue
+                self._tick_started = time.monotonic()
                 try:
                     outputs = self.engine.step()
                     stats = self.engine.stats()
@@ -234,7 +250,15 @@ class TritonPythonModel:
                     self._sends.put(_StepFailed(message.strip().splitlines()[-1]))
                     time.sleep(0.05)
                     continue
-                self._sends.put(_Tick(outputs, stats))
+                finally:
+                    self._tick_started = None
+                if not self._dead:
+                    self._sends.put(_Tick(outputs, stats))
+        except BaseException:   # e.g. EngineCrash: nothing runs ticks any more
+            message = traceback.format_exc()
+            pb_utils.Logger.log_error(f"exspec: the engine thread died: {message}")
+            self._sends.put(_EngineDead(f"the engine thread died: {message.strip().splitlines()[-1]}"))
+            self._stop_engine.wait()   # the send thread answers every request until finalize
         finally:
             self._sends.put(_STOP)
 
@@ -250,6 +274,7 @@ class TritonPythonModel:
                 break
             try:
                 self._handle(item)
+                self._watch_tick()
                 if time.monotonic() >= next_poll:
                     self._poll_cancellations()
                     next_poll = time.monotonic() + CANCEL_POLL_S
@@ -259,6 +284,19 @@ class TritonPythonModel:
             self._finish_with_error(stream, _error(
                 "the model was unloaded before this request finished", "UNAVAILABLE"), "error")
         self.metrics.idle()
+
+    def _watch_tick(self):
+        """The watchdog: a tick running past tick_timeout_s stops the engine for good (the
+        thread cannot be interrupted, and what it holds is unknown), with its stack logged."""
+        started = self._tick_started
+        if (self.tick_timeout_s is None or started is None or self._dead
+                or time.monotonic() - started <= self.tick_timeout_s):
+            return
+        frame = sys._current_frames().get(self._engine_thread.ident)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)\n"
+        pb_utils.Logger.log_error(f"exspec: a tick has run past tick_timeout_s "
+                                  f"({self.tick_timeout_s:g} s); the engine thread is at:\n{stack}")
+        self._handle(_EngineDead(f"a tick ran past tick_timeout_s ({self.tick_timeout_s:g} s)"))
 
     def _handle(self, item):
         if item is None:
@@ -280,6 +318,9 @@ class TritonPythonModel:
                 self.metrics.idle()
         elif isinstance(item, _Register):
             self._streams[item.stream.request_id] = item.stream
+            if self._dead:   # it passed execute's check just before the engine stopped
+                self._finish_with_error(item.stream, _triton_error(
+                    EngineBusyError(self._dead), item.stream.tag_error_codes), "error")
         elif isinstance(item, _Reject):
             self.metrics.rejected()
             self._streams.pop(item.stream.request_id, None)
@@ -288,6 +329,15 @@ class TritonPythonModel:
             for stream in self._streams.values():
                 stream.shutting_down = True
                 self.engine.abort(stream.request_id)
+        elif isinstance(item, _EngineDead):
+            if self._dead is None:
+                self._dead = (f"the exspec engine has stopped ({item.message}); this model "
+                              "cannot serve until the server is restarted")
+                pb_utils.Logger.log_error(f"exspec: {self._dead}; ending {len(self._streams)} "
+                                          "requests in flight")
+            for stream in list(self._streams.values()):
+                self._finish_with_error(stream, _triton_error(
+                    EngineBusyError(self._dead), stream.tag_error_codes), "error")
         elif isinstance(item, _StepFailed):
             for stream in list(self._streams.values()):
                 self.engine.abort(stream.request_id)
