@@ -9,6 +9,16 @@ Three threads, each with one job:
   `is_cancelled` (a round trip, so on a timer, not per token) and aborts cancelled requests,
   and updates the metrics.
 No decoding or scheduling lives here. DESIGN §4 has the contract and the response rules.
+
+Drain (shutdown without dropping streams). After SIGTERM, Triton itself refuses new requests to
+the model and keeps in-flight streams going, but it tells the model nothing until it unloads it,
+and it unloads only when every client stream has closed or --exit-timeout-secs has run out (then
+it exits at once, cutting streams without a final response). So the drain starts from either
+of two signals: the file named by the config.pbtxt parameter `drain_file` appearing (the Helm
+chart's preStop hook creates it, before the kubelet sends SIGTERM), or `finalize`. Draining
+refuses new requests with UNAVAILABLE, lets in-flight requests finish until `drain_timeout_s`
+has passed, then ends the rest with an UNAVAILABLE error that says why. Keep drain_timeout_s
+below the exit timeout, so that every stream gets its final response before Triton gives up.
 """
 from __future__ import annotations
 
@@ -34,6 +44,8 @@ MODEL_JSON = "model.json"
 PATH_KEYS = ("target_model", "draft_model", "tokenizer")
 CANCEL_POLL_S = 0.1          # how often the send thread asks Triton about cancellations
 FINALIZE_DRAIN_S = 10.0      # how long finalize lets aborted requests reach their final response
+DRAIN_POLL_S = 0.5           # how often the send thread looks for the drain file
+DEFAULT_DRAIN_TIMEOUT_S = 20.0   # config.pbtxt parameter drain_timeout_s; below the default exit timeout (30 s)
 
 INPUTS = [
     {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
@@ -104,8 +116,10 @@ class _EngineDead:
     message: str
 
 
-class _AbortAll:
-    """finalize: abort everything in flight; each request still gets its final response."""
+@dataclass
+class _Drain:
+    """Stop intake; abort whatever is still in flight once the drain deadline passes."""
+    reason: str
 
 
 _STOP = object()
@@ -140,8 +154,13 @@ class TritonPythonModel:
         self.tokenizer = self.engine.tokenizer
         self.k = engine_config.num_speculative_tokens if engine_config.speculative else 0
         self.metrics = Metrics(self.model_name, args["model_version"])
+        self.drain_file, self.drain_timeout_s = _drain_settings(self.model_config)
+        if self.drain_file and os.path.exists(self.drain_file):
+            os.remove(self.drain_file)   # left by an earlier run of this container: not for us
         self._ids = itertools.count()
         self._intake_open = True
+        self._drain_deadline: float | None = None   # set and read by the send thread only
+        self._drained = threading.Event()            # draining and nothing left in flight
         self._sends: queue.Queue = queue.Queue()
         self._stop_engine = threading.Event()   # read by the engine thread only
         self._streams: dict[str, Stream] = {}    # owned by the send thread
@@ -200,7 +219,8 @@ class TritonPythonModel:
                 parameters = json.loads(request.parameters() or "{}")
                 tag = bool(parameters.get(ERROR_CODE_TAG_PARAMETER, False))
                 if not self._intake_open:
-                    raise EngineBusyError("the model is shutting down; retry on another server")
+                    raise EngineBusyError("this server is draining before it shuts down; "
+                                          "retry on another server")
                 if self._dead:
                     raise EngineBusyError(self._dead)
                 parsed = parse_request(_inputs(request), parameters)
@@ -265,6 +285,7 @@ class TritonPythonModel:
     # -- the send thread --------------------------------------------------------------------
     def _send_loop(self):
         next_poll = time.monotonic() + CANCEL_POLL_S
+        next_drain_check = time.monotonic()
         while True:
             try:
                 item = self._sends.get(timeout=CANCEL_POLL_S)
@@ -275,9 +296,16 @@ class TritonPythonModel:
             try:
                 self._handle(item)
                 self._watch_tick()
-                if time.monotonic() >= next_poll:
+                now = time.monotonic()
+                if now >= next_poll:
                     self._poll_cancellations()
-                    next_poll = time.monotonic() + CANCEL_POLL_S
+                    next_poll = now + CANCEL_POLL_S
+                if self._drain_deadline is None and self.drain_file and now >= next_drain_check:
+                    next_drain_check = now + DRAIN_POLL_S
+                    if os.path.exists(self.drain_file):
+                        self._handle(_Drain(f"{self.drain_file} appeared"))
+                if self._drain_deadline is not None:
+                    self._drain_step()
             except Exception:
                 pb_utils.Logger.log_error(f"exspec: send path: {traceback.format_exc()}")
         for stream in list(self._streams.values()):   # nothing may end without a final flag
@@ -325,10 +353,13 @@ class TritonPythonModel:
             self.metrics.rejected()
             self._streams.pop(item.stream.request_id, None)
             _send_error(item.stream.sender, _triton_error(item.error, item.stream.tag_error_codes))
-        elif isinstance(item, _AbortAll):
-            for stream in self._streams.values():
-                stream.shutting_down = True
-                self.engine.abort(stream.request_id)
+        elif isinstance(item, _Drain):
+            if self._drain_deadline is None:
+                self._intake_open = False
+                self._drain_deadline = time.monotonic() + self.drain_timeout_s
+                pb_utils.Logger.log_info(
+                    f"exspec: draining ({item.reason}): new requests are refused; "
+                    f"{len(self._streams)} in flight get up to {self.drain_timeout_s:g} s to finish")
         elif isinstance(item, _EngineDead):
             if self._dead is None:
                 self._dead = (f"the exspec engine has stopped ({item.message}); this model "
@@ -343,6 +374,23 @@ class TritonPythonModel:
                 self.engine.abort(stream.request_id)
                 self._finish_with_error(stream, _error(
                     f"engine step failed: {item.message}", "INTERNAL"), "error")
+
+    def _drain_step(self):
+        """While draining: past the deadline, abort what is left (each still gets its final
+        response, an UNAVAILABLE error); once nothing is in flight, say so to finalize."""
+        if not self._streams:
+            if not self._drained.is_set():
+                pb_utils.Logger.log_info("exspec: drained: no request in flight")
+                self._drained.set()
+            return
+        if time.monotonic() >= self._drain_deadline:
+            late = [s for s in self._streams.values() if not s.shutting_down]
+            if late:
+                pb_utils.Logger.log_warn(f"exspec: drain deadline passed; ending {len(late)} "
+                                         "requests in flight")
+            for stream in late:
+                stream.shutting_down = True
+                self.engine.abort(stream.request_id)
 
     def _poll_cancellations(self):
         for stream in self._streams.values():
@@ -369,7 +417,9 @@ class TritonPythonModel:
             if stream.cancelled:
                 error, outcome = _error("request cancelled", "CANCELLED"), "cancelled"
             elif out.finish_reason == "abort":
-                why = "the model is shutting down" if stream.shutting_down else "aborted"
+                why = (f"the server is shutting down and the drain deadline "
+                       f"({self.drain_timeout_s:g} s) passed; retry on another server"
+                       if stream.shutting_down else "aborted")
                 error, outcome = _error(f"request not completed: {why}", "UNAVAILABLE"), "abort"
             else:
                 pb_utils.Logger.log_error(f"exspec: request {stream.request_id} failed: {out.error}")
@@ -450,10 +500,13 @@ class TritonPythonModel:
 
     # -- shutdown ---------------------------------------------------------------------------
     def finalize(self):
-        """Bounded: stop intake, abort what is in flight, let it drain, join with timeouts."""
+        """Bounded: drain (stop intake, let in-flight requests finish until the drain deadline,
+        end the rest with an error), wait for the pool to empty, join threads with timeouts."""
         self._intake_open = False
+        self._sends.put(_Drain("finalize"))
+        if not self._drained.wait(timeout=self.drain_timeout_s + FINALIZE_DRAIN_S):
+            pb_utils.Logger.log_warn("exspec: finalize: requests still in flight after the drain")
         deadline = time.monotonic() + FINALIZE_DRAIN_S
-        self._sends.put(_AbortAll())
         while self.engine.has_unfinished() and time.monotonic() < deadline:
             time.sleep(0.05)
         self._stop_engine.set()
@@ -462,6 +515,21 @@ class TritonPythonModel:
             self._sends.put(_STOP)
         self._send_thread.join(timeout=5.0)
         pb_utils.Logger.log_info("exspec: finalized")
+
+
+def _drain_settings(model_config: dict) -> tuple[str | None, float]:
+    """config.pbtxt parameters drain_file (default: none) and drain_timeout_s (seconds >= 0)."""
+    params = {key: value.get("string_value", "")
+              for key, value in model_config.get("parameters", {}).items()}
+    raw = params.get("drain_timeout_s", "").strip()
+    try:
+        timeout = float(raw) if raw else DEFAULT_DRAIN_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"config.pbtxt parameter drain_timeout_s must be a number of seconds, "
+                         f"got {raw!r}") from None
+    if timeout < 0:
+        raise ValueError(f"config.pbtxt parameter drain_timeout_s must be >= 0, got {timeout:g}")
+    return params.get("drain_file", "").strip() or None, timeout
 
 
 def _inputs(request) -> dict:
