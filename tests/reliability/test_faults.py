@@ -1,0 +1,124 @@
+"""Injected faults (model.json fault_injection, off by default) on a real server: a failing model
+forward ends only the requests of the group it ran for, and the engine carries on; a dead engine
+thread or a tick past tick_timeout_s ends every in-flight and every new request with UNAVAILABLE
+(never a hang) and logs the traceback. Other models on the server are untouched throughout."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import pytest
+
+from conftest import clients, ready, scrape, server_log
+
+PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "The quick brown fox", "hello world",
+           "import os\nimport sys\n", "class Engine:\n", "Grüße, naïve café", "emoji: 🚀"]
+MAX_TOKENS = 24
+SAMPLING = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+
+def one(server, model, prompt, timeout_s=60.0, **request):
+    request.setdefault("sampling", SAMPLING)
+    return clients.grpc_stream(server.urls["grpc"], model, [{"prompt": prompt, **request}],
+                               timeout_s=timeout_s)[0]
+
+
+def concurrently(server, model, prompts, **request):
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: one(server, model, p, **request), prompts))
+
+
+def assert_one_final(call, what):
+    finals = [r for r in call.responses if r.final]
+    assert len(finals) == 1 and call.responses[-1].final, (
+        f"{what}: expected exactly one final response, last; got {call.responses}")
+
+
+@pytest.fixture(scope="module")
+def reference(rel_server):
+    """Greedy ids from the fault-free model (same pair: output-equivalent whatever the batch)."""
+    return {p: one(rel_server, "limits", p).ids() for p in PROMPTS}
+
+
+FAULTS = {"RuntimeError: injected fault: exception in a model forward": "exception",
+          "OutOfMemoryError: injected fault: out of memory": "out of memory"}
+
+
+def test_failing_forward_fails_only_its_groups_requests_and_the_engine_carries_on(
+        rel_server, reference):
+    model = "faulty"
+    calls = [c for _ in range(3) for c in concurrently(rel_server, model, PROMPTS)]
+    failed, served, kinds = [], [], set()
+    for i, call in enumerate(calls):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        assert_one_final(call, f"{model} request {i} ({prompt!r})")
+        last = call.responses[-1]
+        if last.error:
+            kind = [k for needle, k in FAULTS.items() if needle in last.error]
+            assert kind and last.error.startswith("generation failed: "), (
+                f"request {i}: unexpected error: {last.error}")
+            kinds.update(kind)
+            failed.append(i)
+        else:
+            assert call.ids() == reference[prompt], (
+                f"request {i} ({prompt!r}) survived the fault but its output differs from the "
+                f"fault-free model: {call.ids()} vs {reference[prompt]}")
+            served.append(i)
+    assert failed, f"{model}: no request hit the injected fault; lower its *_every"
+    assert kinds == set(FAULTS.values()), f"only these injected faults were seen: {kinds}"
+    assert served, f"{model}: every request failed; the fault did not stay within one group"
+    # The engine keeps serving: within a few tries (a later forward may fault again) a new
+    # request completes, and the server counted each failure once.
+    short = {"max_tokens": 2, "ignore_eos": True}   # a handful of forwards each
+    later = [one(rel_server, model, PROMPTS[0], sampling=short) for _ in range(5)]
+    assert any(c.ids() == reference[PROMPTS[0]][:2] for c in later), (
+        f"{model} stopped serving: {later}")
+    errors = sum(1 for c in calls + later if c.responses[-1].error)
+    assert scrape(rel_server, "exspec:requests_total", model=model, outcome="error") == errors
+    assert ready(rel_server, model)
+    status, body = clients.generate(rel_server.urls["http"], model, {
+        "text_input": PROMPTS[0], "max_tokens": 200, "ignore_eos": True})   # ~50 forwards: faults
+    assert status != 200 and "injected fault" in body["error"], (status, body)
+    print(f"\n{model}: {len(calls)} concurrent requests: {len(failed)} failed with the injected "
+          f"faults ({sorted(kinds)}), {len(served)} served with exact output")
+
+
+def test_engine_thread_death_ends_in_flight_and_new_requests_with_unavailable(rel_server, reference):
+    start = time.monotonic()
+    calls = concurrently(rel_server, "crash", PROMPTS[:3], stream=True,
+                         sampling={"max_tokens": 200, "ignore_eos": True})
+    for call in calls:
+        assert_one_final(call, "in-flight request on the crashed engine")
+        last = call.responses[-1]
+        assert last.error, last
+        assert "the engine thread died" in last.error and "EngineCrash" in last.error, last.error
+        assert len(call.ids()) < 200
+    t_new = time.monotonic()
+    new = one(rel_server, "crash", "hello", timeout_s=20)
+    assert_one_final(new, "new request on the crashed engine")
+    assert "has stopped" in new.responses[-1].error and "restarted" in new.responses[-1].error
+    status, body = clients.generate(rel_server.urls["http"], "crash", {"text_input": "hello"})
+    assert status != 200 and "has stopped" in body["error"], (status, body)
+    log = server_log(rel_server)
+    assert "exspec: the engine thread died: Traceback" in log and "EngineCrash" in log
+    # The server and its other models carry on.
+    assert ready(rel_server) and one(rel_server, "limits", PROMPTS[0]).ids() == reference[PROMPTS[0]]
+    print(f"\ncrash: in-flight answered after {t_new - start:.1f} s, a new request after "
+          f"{time.monotonic() - t_new:.2f} s")
+
+
+def test_tick_past_tick_timeout_ends_requests_with_unavailable(rel_server, reference):
+    start = time.monotonic()
+    calls = concurrently(rel_server, "slow", PROMPTS[:3], timeout_s=30)
+    took = time.monotonic() - start
+    for call in calls:
+        assert_one_final(call, "request on the stuck engine")
+        last = call.responses[-1]
+        assert last.error and "tick_timeout_s (0.5 s)" in last.error, last
+    status, body = clients.generate(rel_server.urls["http"], "slow", {"text_input": "hello"})
+    assert status != 200 and "tick_timeout_s" in body["error"], (status, body)
+    log = server_log(rel_server)
+    assert "a tick has run past tick_timeout_s" in log and "before_tick" in log, (
+        "the stuck engine thread's stack is not in the log")
+    assert ready(rel_server) and one(rel_server, "limits", PROMPTS[1]).ids() == reference[PROMPTS[1]]
+    print(f"\nslow: stuck tick answered after {took:.1f} s (tick_delay_s 2.5, tick_timeout_s 0.5)")
