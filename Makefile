@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv test test-engine demo serve gpu-check clean
+.PHONY: venv test test-engine demo serve gpu-check deploy-check clean
 
 # torch first, pinned, in its own pip call: that takes the CPU wheel from this machine's disk
 # instead of letting a dependency pull a multi-GB CUDA build.
@@ -50,6 +50,13 @@ gpu-check: venv
 	timeout 360 $(BIN)/python -m pytest -q -p no:cacheprovider -m gpu -rs tests && \
 	timeout 120 $(BIN)/python -m exspec.bench --device cuda --dtype bfloat16 --batch-sizes 1,8 \
 		--num-prompts 8 --max-tokens 32 --repeats 1 --no-progress --out bench_out/gpu-check
+
+# The Helm chart, KServe objects, alerting rules, drain and load balancing, without a cluster:
+# render + lint + schemas (Kubernetes 1.29 and 1.37), promtool, a simulated pod and two
+# replicas behind HAProxy. deploy/ci-deps.sh installs promtool and haproxy (needs root).
+deploy-check: venv
+	@command -v promtool >/dev/null && command -v haproxy >/dev/null || bash deploy/ci-deps.sh
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/deploy
 
 clean:
 	rm -rf $(VENV) .pytest_cache
