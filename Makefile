@@ -73,3 +73,12 @@ NAME     ?= run
 load: venv
 	$(BIN)/python load_tests/run.py --url $(URL) --users $(USERS) --run-time $(RUN_TIME) \
 		--out runs/load/$(NAME) $(LOAD_ARGS)
+
+# Soak: a real tritonserver with the demo pair under a locust mix (gRPC-stream and HTTP-SSE
+# users, a share cancelling mid-stream, a share sending malformed requests) for SOAK_TIME
+# seconds, then the checks (no request without a final response, always ready, RSS growth after
+# warm-up < 10%, running/waiting back to 0). Table on stdout, runs/soak/soak_soak.json.
+SOAK_TIME ?= 600
+.PHONY: soak
+soak: venv
+	$(BIN)/python load_tests/soak.py --duration $(SOAK_TIME) --out runs/soak/soak $(SOAK_ARGS)
