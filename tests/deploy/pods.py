@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from conftest import REPO, one
+from deploykit import REPO, one
 
 from exspec.install_backend import find_tritonserver, install
 from exspec.serve import free_ports, stub_environment

@@ -9,7 +9,7 @@ import re
 import pytest
 import yaml
 
-from conftest import (CHART, KSERVE, VALUES_FILES, deep_merge, load_values, need_module, one,
+from deploykit import (CHART, KSERVE, VALUES_FILES, deep_merge, load_values, need_module, one,
                       registry_series, render)
 
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from conftest import need_binary, need_module
+from deploykit import need_binary, need_module
 from grpc_calls import generate
 
 STREAMS = 8
@@ -19,7 +19,7 @@ STREAMS = 8
 
 def build_repository(root, pair):
     import json
-    from conftest import REPO
+    from deploykit import REPO
     models = root / "models"
     (models / "exspec" / "1").mkdir(parents=True)
     (models / "exspec" / "config.pbtxt").write_text(

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import deep_merge, load_values, need_module, one, render
+from deploykit import deep_merge, load_values, need_module, one, render
 
 LONGEST_STREAM_S = 10     # the drain deadline in this pod: long enough for a loaded CI machine
 PRE_STOP_S = 2

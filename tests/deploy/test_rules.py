@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import VALUES_FILES, load_values, need_binary, one, render
+from deploykit import VALUES_FILES, load_values, need_binary, one, render
 
 HERE = Path(__file__).resolve().parent
 
