@@ -1,0 +1,94 @@
+"""Limits, through the real server, each refused with an error a person can act on while the
+server carries on: prompt tokens, request size, max_tokens, the pool and queue (busy: retry), and
+the per-request parameter ranges. The `limits` model sets them in model.json (conftest.LIMITS)."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+
+from conftest import LIMITS, clients, ready
+
+
+def one(server, **request):
+    return clients.grpc_stream(server.urls["grpc"], "limits", [request], timeout_s=60)[0]
+
+
+def error_of(call) -> str | None:
+    assert sum(r.final for r in call.responses) == 1 and call.responses[-1].final, call
+    return call.responses[-1].error
+
+
+def test_prompt_over_max_prompt_tokens_is_refused(rel_server):
+    limit = LIMITS["max_prompt_tokens"]
+    err = error_of(one(rel_server, prompt="hello world " * 40))
+    assert err and f"the limit is {limit}" in err, err
+    err = error_of(one(rel_server, input_ids=[5] * (limit + 1)))
+    assert err and f"prompt has {limit + 1} tokens; the limit is {limit}" in err, err
+    assert error_of(one(rel_server, input_ids=[5] * limit, sampling={"max_tokens": 2})) is None
+
+
+def test_very_large_request_is_refused_and_the_server_carries_on(rel_server):
+    # No byte limit of its own yet: a 1 MiB prompt is tokenized, then refused by the
+    # prompt-token limit (over gRPC and HTTP alike).
+    big = "x" * (1 << 20)
+    err = error_of(one(rel_server, prompt=big))
+    assert err and "the limit is" in err, err[:300]
+    status, body = clients.generate(rel_server.urls["http"], "limits", {"text_input": big})
+    assert status == 400 and "the limit is" in body["error"], (status, str(body)[:300])
+    assert ready(rel_server, "limits")
+
+
+def test_max_tokens_over_max_output_tokens_is_refused(rel_server):
+    limit = LIMITS["max_output_tokens"]
+    err = error_of(one(rel_server, prompt="hello", sampling={"max_tokens": limit + 1}))
+    assert err == f"max_tokens {limit + 1} exceeds the server limit of {limit}", err
+    call = one(rel_server, prompt="hello", sampling={"max_tokens": limit, "ignore_eos": True})
+    assert error_of(call) is None and len(call.ids()) == limit
+
+
+def test_full_pool_and_queue_refuse_with_busy_retry(rel_server):
+    n = 3 * (LIMITS["max_num_seqs"] + LIMITS["max_queue_len"])
+    with cf.ThreadPoolExecutor(n) as pool:
+        calls = list(pool.map(lambda i: one(rel_server, prompt=f"hello {i}", sampling={
+            "max_tokens": 48, "ignore_eos": True}), range(n)))
+    errors = [error_of(c) for c in calls]
+    busy = [e for e in errors if e]
+    assert busy, "nothing was refused although the pool and the queue were full"
+    for e in busy:
+        assert "server busy" in e and "retry later" in e, e
+    assert len(busy) < n, "everything was refused"
+    # Once the pool drains, a retry is served.
+    assert error_of(one(rel_server, prompt="hello", sampling={"max_tokens": 4})) is None
+
+
+@pytest.mark.parametrize("sampling,needle", [
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
+    ({"temperature": "nan"}, "temperature must be a finite number"),
+    ({"temperature": "inf"}, "temperature must be a finite number"),
+    ({"top_p": 0}, "top_p must be in (0, 1]"),
+    ({"top_p": 1.01}, "top_p must be in (0, 1]"),
+    ({"top_k": -2}, "top_k must be an integer >= 0 (or -1 for off)"),
+    ({"top_k": 2.5}, "top_k must be an integer"),
+    ({"seed": -1}, "seed must be an integer in [0, 2^63)"),
+    ({"seed": 2 ** 63}, "seed must be an integer in [0, 2^63)"),
+    ({"stop": [""]}, "stop must be a list of non-empty strings"),
+    ({"stop": [1, 2]}, "stop must be a string or a list of strings"),
+    ({"stop_token_ids": [-3]}, "stop_token_ids must be a list of non-negative integers"),
+    ({"num_speculative_tokens": -1}, "num_speculative_tokens must be an integer >= 0"),
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+    ({"ignore_eos": "perhaps"}, "ignore_eos must be true or false"),
+    ({"beam_width": 4}, "unknown sampling parameter 'beam_width'"),
+])
+def test_out_of_range_parameter_is_invalid_arg_naming_it(rel_server, sampling, needle):
+    err = error_of(one(rel_server, prompt="hello", sampling=sampling))
+    assert err and needle in err, f"{sampling}: {err}"
+
+
+def test_in_range_edges_are_served(rel_server):
+    for sampling in ({"temperature": 0.0, "top_p": 1.0, "top_k": -1}, {"top_k": 0, "seed": 0},
+                     {"temperature": 5.0, "top_p": 1e-9, "seed": 2 ** 63 - 1},
+                     {"top_k": 10 ** 9, "num_speculative_tokens": 10 ** 6},
+                     {"stop": ["a" * 1000] * 50, "stop_token_ids": [10 ** 9]}):
+        call = one(rel_server, prompt="hello", sampling={**sampling, "max_tokens": 4})
+        assert error_of(call) is None, f"{sampling}: {call.responses[-1].error}"
