@@ -26,31 +26,55 @@ class AdaptiveK:
     Expected committed tokens per row-step at per-token acceptance a and k drafts:
     (1 - a^(k+1)) / (1 - a). The acceptance a is estimated per sequence (and pool-wide, as the
     prior for new sequences) as accepted / (accepted + rejections) over recent steps: each
-    step accepts a run of drafts and ends in at most one rejection. Step cost per (batch size,
-    k) is an exponential moving average of measured step times; an unmeasured (batch size, k)
-    is tried once (an optimistic prior), so the table fills itself.
+    step accepts a run of drafts and ends in at most one rejection. Step cost is an exponential
+    moving average of measured step times per (batch-size bucket, k); a bucket not yet measured
+    at some k borrows the nearest measured bucket's cost at that k (scaled by their plain-step
+    costs), and a k never measured anywhere is tried once, so the table fills itself.
+    Speculation is probed again after PROBE_EVERY plain steps, and twice as rarely each time
+    a probe leads back to plain decoding.
     """
 
     GAIN_TO_SWITCH = 1.10   # hysteresis: change k only for a 10% better expected rate
-    PROBE_EVERY = 8         # plain steps before speculation is tried again
+    PROBE_EVERY = 8         # plain steps before speculation is tried again (doubles up to 256)
     EMA = 0.2
     DECAY = 0.9             # of the pool-wide acceptance counts, per speculative step
 
     def __init__(self, max_k: int):
         self.max_k = max_k
-        self.step_time: dict[tuple[int, int], float] = {}
+        self.step_time: dict[tuple[int, int], float] = {}   # (bucket, k) -> seconds
         self.recent_accepted, self.recent_rejections = 7.0, 3.0   # prior: acceptance 0.7
+        self.probe_every = self.PROBE_EVERY
 
     @property
     def acceptance(self) -> float:
         return self.recent_accepted / (self.recent_accepted + self.recent_rejections)
 
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << (batch - 1).bit_length()   # 1, 2, 4, 8, 16, ...
+
     def expected_tokens(self, acceptance: float, k: int) -> float:
         a = min(max(acceptance, 0.0), 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
+    def cost(self, batch: int, k: int) -> float | None:
+        """Measured, or estimated from other measurements; None if k was never measured."""
+        here = self.bucket(batch)
+        if (here, k) in self.step_time:
+            return self.step_time[here, k]
+        measured = [b for (b, kk) in self.step_time if kk == k]
+        if not measured:
+            return None
+        # Borrow from the nearest bucket that measured k, scaled by a k' both buckets measured
+        # (step cost is far from linear in batch size, so never scale by the size ratio).
+        for near in sorted(measured, key=lambda b: abs(b.bit_length() - here.bit_length())):
+            for (b, ref), t_here in self.step_time.items():
+                if b == here and (near, ref) in self.step_time:
+                    return self.step_time[near, k] * t_here / self.step_time[near, ref]
+        return self.step_time[min(measured, key=lambda b: abs(b.bit_length() - here.bit_length())), k]
+
     def rate(self, batch: int, k: int, acceptance: float) -> float:
-        cost = self.step_time.get((batch, k))
+        cost = self.cost(batch, k)
         if cost is None:
             return float("inf")   # never measured: try it
         return batch * self.expected_tokens(acceptance, k) / cost
@@ -59,16 +83,24 @@ class AdaptiveK:
         acceptance = group.acceptance(self.acceptance)
         batch = len(group)
         current = min(group.k if group.k is not None else cap, cap)
-        if current == 0 and group.plain_steps_in_a_row >= self.PROBE_EVERY:
-            return cap   # re-measure acceptance now and then
+        if current == 0 and group.plain_steps_in_a_row >= self.probe_every:
+            self.probe_every = min(2 * self.probe_every, 256)
+            return cap   # re-measure acceptance now and then, more rarely each time
         rates = {k: self.rate(batch, k, acceptance) for k in range(cap + 1)}
+        # Local exploration: plain decoding and the neighbours of the current k are measured at
+        # this batch size once before their borrowed estimates are trusted over a measurement.
+        here = self.bucket(batch)
+        for k in {0, max(current - 1, 0), min(current + 1, cap)}:
+            if (here, k) not in self.step_time and (here, current) in self.step_time:
+                rates[k] = float("inf")
         best = max(rates, key=rates.get)
-        if rates[best] > rates[current] * self.GAIN_TO_SWITCH:
-            return best
-        return current
+        choice = best if rates[best] > rates[current] * self.GAIN_TO_SWITCH else current
+        if choice > 0 and current > 0:
+            self.probe_every = self.PROBE_EVERY   # speculation pays again: probe eagerly
+        return choice
 
     def observe(self, batch: int, k: int, seconds: float, accepted: list[int]) -> None:
-        key = (batch, k)
+        key = (self.bucket(batch), k)
         old = self.step_time.get(key)
         self.step_time[key] = seconds if old is None else old + self.EMA * (seconds - old)
         if k > 0:

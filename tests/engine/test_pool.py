@@ -230,8 +230,15 @@ def test_adaptive_k_hysteresis_and_fallback_to_plain():
     # hysteresis: a marginally better k does not make it switch
     ak.step_time[(8, 3)] = ak.step_time[(8, 2)] * ak.expected_tokens(0.6, 3) / ak.expected_tokens(0.6, 2) * 0.97
     assert ak.choose(G(8, 2, 0.6), 5) == 2
-    # after a long plain stretch it probes speculation again
+    # after a long plain stretch it probes speculation again, then more rarely
     assert ak.choose(G(8, 0, 0.05, plain=AdaptiveK.PROBE_EVERY), 5) == 5
+    assert ak.choose(G(8, 0, 0.05, plain=AdaptiveK.PROBE_EVERY), 5) == 0
+    assert ak.probe_every == 2 * AdaptiveK.PROBE_EVERY
+    # a batch size never measured borrows the nearest measured one's costs instead of
+    # exploring every k again (sizes change every time a row finishes)
+    for k in range(6):
+        assert ak.cost(7, k) == ak.step_time[(8, k)] and ak.cost(13, k) is not None
+    assert ak.choose(G(13, 5, 0.05), 5) == 0
 
 
 def test_scheduler_picks_starving_group_and_merges_equal_lengths():
