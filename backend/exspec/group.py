@@ -21,7 +21,7 @@ class Group:
         self.target_kv = target_kv
         self.draft_kv = draft_kv
         self._sampling: RowSampling | None = None
-        self.stepped_last_tick = False   # for sticky-group statistics
+        self.steps = 0   # steps taken with these batched caches (a merge starts a new group)
         self.k: int | None = None        # the k of its last step (adaptive k's hysteresis)
         self.plain_steps_in_a_row = 0
 

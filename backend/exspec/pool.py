@@ -104,7 +104,7 @@ class SequencePool:
         before = [s.num_output_tokens for s in seqs]
         if group.equal_length:
             self.stats.add("equal_length_steps")
-        if group.stepped_last_tick:
+        if group.steps:   # stepped before with the same batched caches: nothing re-stacked
             self.stats.add("sticky_steps")
         try:
             self.stats.sync()
@@ -114,10 +114,7 @@ class SequencePool:
             # the step's cost at this k, without a one-off draft catch-up prefill
             seconds = time.perf_counter() - start - (self.stats.seconds["prefill"] - catch_up)
             self.scheduler.observe(group, k, seconds, result.num_accepted)
-            group.stepped_last_tick = True
-            for other in self.groups:
-                if other is not group:
-                    other.stepped_last_tick = False
+            group.steps += 1
             self._retire()
             if group in self.groups and self.scheduler.realign_after_step(group):
                 with self.stats.timer("realign"):
