@@ -507,8 +507,8 @@ class TritonPythonModel:
         if not self._drained.wait(timeout=self.drain_timeout_s + FINALIZE_DRAIN_S):
             pb_utils.Logger.log_warn("exspec: finalize: requests still in flight after the drain")
         deadline = time.monotonic() + FINALIZE_DRAIN_S
-        while self.engine.has_unfinished() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while self.engine.has_unfinished() and not self._dead and time.monotonic() < deadline:
+            time.sleep(0.05)   # a dead engine will not empty its pool: do not wait for it
         self._stop_engine.set()
         self._engine_thread.join(timeout=max(1.0, deadline - time.monotonic()))
         if self._engine_thread.is_alive():   # a tick that does not end: still answer everyone

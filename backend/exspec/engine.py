@@ -6,10 +6,15 @@ any thread; step() from one.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import itertools
 import threading
 import traceback
 from collections import deque
+
+import torch
 
 from .config import EngineConfig
 from .detokenizer import Detokenizer
@@ -25,10 +30,20 @@ from .sequence import Sequence
 from .stats import Stats
 
 
+def _load_libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None   # glibc only
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
+
+
 def kv_token_budget(device: str, *models, share: float = 0.9) -> int:
     """KV entries (both models counted, as the pool counts them) that the free device memory
     holds once the models are loaded, keeping 10% for activations and the allocator."""
-    import torch
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     per_entry = []
     for model in (m for m in models if m is not None):
@@ -40,6 +55,7 @@ def kv_token_budget(device: str, *models, share: float = 0.9) -> int:
 
 
 class LLMEngine:
+    RELEASE_EVERY_TICKS = 1000
     def __init__(self, config: EngineConfig, pair: ModelPair | None = None):
         """`pair`: models already loaded (e.g. by another engine) to share instead of loading."""
         self.config = config
@@ -67,6 +83,7 @@ class LLMEngine:
         self._aborts: set[str] = set()
         self._live_ids: set[str] = set()             # every request not yet finished
         self._auto_ids = itertools.count()
+        self._ticks = 0
 
     # -- intake (thread-safe) ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -137,6 +154,10 @@ class LLMEngine:
             touched += self.pool.tick()
         except Exception:  # the pool isolates group failures; this is a last resort
             touched += self.pool.fail_all(traceback.format_exc(limit=3))
+        self._ticks += 1
+        if self._ticks % self.RELEASE_EVERY_TICKS == 0 or (touched and not self.pool.num_running
+                                                           and not self.pool.num_waiting):
+            self.release_memory()   # every so often, and whenever the pool has just emptied
         return self._emit(touched)
 
     def _emit(self, touched: list[tuple[Sequence, list[int], list[float] | None]]):
@@ -195,6 +216,16 @@ class LLMEngine:
                     res.finish_reason, res.error = out.finish_reason, out.error
                     finished.add(out.request_id)
         return [results[rid] for rid in ids]
+
+    def release_memory(self) -> None:
+        """Hand freed memory back to the system. Caches of every size come and go, and the
+        C allocator keeps what it freed (a soak showed the serving process growing with no
+        Python-level leak: malloc_trim brings it back); on a GPU, empty the CUDA cache."""
+        gc.collect()
+        if _LIBC is not None:
+            _LIBC.malloc_trim(0)
+        if self.config.device.startswith("cuda"):
+            torch.cuda.empty_cache()
 
     def stats(self) -> dict:
         with self._lock:
