@@ -169,6 +169,8 @@ class HttpGeneration(Generation):
         try:
             self._conn.request("POST", path, body=body, headers={
                 "Content-Type": "application/json", **(headers or {})})
+            # Held here: http.client drops conn.sock once a response says it will close.
+            self._sock = self._conn.sock
             self._response = self._conn.getresponse()
         except (socket.timeout, TimeoutError):
             raise self._timed_out() from None
@@ -190,7 +192,7 @@ class HttpGeneration(Generation):
                 if remaining is not None:
                     if remaining <= 0:
                         raise self._timed_out()
-                    self._conn.sock.settimeout(remaining)
+                    self._sock.settimeout(remaining)
                 line = self._response.readline()
                 if not line:
                     raise ExspecError("the server closed the stream before the final response")
@@ -214,9 +216,12 @@ class HttpGeneration(Generation):
         return delta
 
     def _cancel(self):
-        self._conn.close()   # Triton sees the disconnect and cancels the request
+        self._release()      # Triton sees the disconnect and cancels the request
 
     def _release(self):
+        response = getattr(self, "_response", None)
+        if response is not None:
+            response.close()
         self._conn.close()
 
 
