@@ -59,9 +59,16 @@ class ParsedRequest:
         return not self.stream and not self.exclude_input_in_output
 
 
-def parse_request(inputs: dict, parameters: str | dict | None) -> ParsedRequest:
+def parse_request(inputs: dict, parameters: str | dict | None,
+                  max_request_bytes: int | None = None) -> ParsedRequest:
     """inputs: name -> numpy array (absent inputs missing or None); parameters: request
-    parameters as Triton's JSON string or a dict."""
+    parameters as Triton's JSON string or a dict. Over max_request_bytes: refused before
+    anything is parsed or tokenized."""
+    if max_request_bytes is not None:
+        size = request_bytes(inputs, parameters)
+        if size > max_request_bytes:
+            raise InvalidRequestError(f"request is {size} bytes; the limit is {max_request_bytes} "
+                                      "(max_request_bytes in model.json)")
     flags = {name: _flag_input(inputs, name) for name in FLAG_INPUTS}
     prompt = _prompt(inputs)
     sampling = _sampling_json(inputs.get("sampling_parameters"))
@@ -85,6 +92,20 @@ def parse_request(inputs: dict, parameters: str | dict | None) -> ParsedRequest:
     return ParsedRequest(prompt=prompt, params=params, stream=stream,
                          exclude_input_in_output=exclude,
                          **{name: bool(value) for name, value in flags.items()})
+
+
+def request_bytes(inputs: dict, parameters: str | dict | None) -> int:
+    """Bytes a request carries: its tensors (each string element counted) and parameters."""
+    size = len(parameters) if isinstance(parameters, str) else len(json.dumps(parameters or {}))
+    for array in inputs.values():
+        if array is None:
+            continue
+        array = np.asarray(array)
+        if array.dtype == object:
+            size += sum(len(v) if isinstance(v, (bytes, str)) else 8 for v in array.reshape(-1))
+        else:
+            size += array.nbytes
+    return size
 
 
 def _prompt(inputs: dict) -> str | list[int]:

@@ -223,7 +223,8 @@ class TritonPythonModel:
                                           "retry on another server")
                 if self._dead:
                     raise EngineBusyError(self._dead)
-                parsed = parse_request(_inputs(request), parameters)
+                parsed = parse_request(_inputs(request), parameters,
+                                       self.engine.config.max_request_bytes)
             except (InvalidRequestError, EngineBusyError) as exc:
                 self.metrics.rejected()
                 _send_error(sender, _triton_error(exc, tag))

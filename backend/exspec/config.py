@@ -25,6 +25,7 @@ class EngineConfig:
     max_model_len: int | None = None      # prompt + output; default: the smaller model's limit
     max_prompt_tokens: int | None = None  # default: max_model_len - 1
     max_output_tokens: int = 4096         # largest max_tokens a request may ask for
+    max_request_bytes: int = 1 << 20      # the Triton adapter refuses larger requests unparsed
     default_max_tokens: int = 256
     max_skipped_ticks: int | None = None  # fairness bound; default: one round of the pool + 1
     device: str = "cpu"
@@ -50,7 +51,7 @@ class EngineConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_batch_size", "max_num_seqs", "max_queue_len", "max_output_tokens",
-                     "default_max_tokens"):
+                     "default_max_tokens", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_seqs < self.max_batch_size:

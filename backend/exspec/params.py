@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from .errors import InvalidRequestError
 
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64
+
 
 @dataclass
 class SamplingParams:
@@ -45,8 +47,13 @@ class SamplingParams:
             bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            bad(f"stop allows at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                "characters each")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be a list of non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad(f"stop_token_ids allows at most {MAX_STOP_TOKEN_IDS} ids")
         if not isinstance(self.ignore_eos, bool):
             bad(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if self.num_speculative_tokens is not None and (

@@ -105,6 +105,12 @@ def test_bad_requests_get_clear_errors(pairs):
         SamplingParams(temperature=float("nan"))
     with pytest.raises(InvalidRequestError, match="num_speculative_tokens"):
         SamplingParams(num_speculative_tokens=-1)
+    with pytest.raises(InvalidRequestError, match="at most 16 strings"):
+        SamplingParams(stop=["x"] * 17)
+    with pytest.raises(InvalidRequestError, match="at most 256 characters"):
+        SamplingParams(stop=["x" * 257])
+    with pytest.raises(InvalidRequestError, match="at most 64 ids"):
+        SamplingParams(stop_token_ids=list(range(65)))
     with pytest.raises(InvalidRequestError, match="token ids"):
         engine.add_request("c", [1, 10**6], SamplingParams())
     with pytest.raises(InvalidRequestError, match="limit"):

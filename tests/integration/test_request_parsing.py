@@ -79,3 +79,13 @@ def test_prepend_rule():
     assert parse().prepend_prompt
     assert not parse(exclude_input_in_output=np.array([True])).prepend_prompt
     assert not parse(stream=np.array([True])).prepend_prompt
+
+
+def test_oversized_request_is_refused_before_parsing():
+    import numpy as np
+    from exspec_request import request_bytes
+    inputs = {"text_input": np.array([b"x" * 5000], dtype=object)}
+    assert request_bytes(inputs, "{}") == 5002
+    with pytest.raises(InvalidRequestError, match="request is 5002 bytes; the limit is 4096"):
+        parse_request(inputs, "{}", max_request_bytes=4096)
+    assert parse_request(inputs, "{}", max_request_bytes=8192).prompt == "x" * 5000

@@ -48,7 +48,7 @@ clients = _load("exspec_integration_clients", REPO / "tests" / "integration" / "
 scrape, wait_for = _it.scrape, _it.wait_for
 
 LIMITS = {"max_prompt_tokens": 48, "max_output_tokens": 64, "default_max_tokens": 8,
-          "max_batch_size": 2, "max_num_seqs": 2, "max_queue_len": 2}
+          "max_batch_size": 2, "max_num_seqs": 2, "max_queue_len": 2, "max_request_bytes": 65536}
 _SPEC = {"method": "exspec", "num_speculative_tokens": 4, "max_batch_size": 2, "max_num_seqs": 8,
          "default_max_tokens": 8, "max_output_tokens": 256}
 MODELS = {

@@ -29,13 +29,13 @@ def test_prompt_over_max_prompt_tokens_is_refused(rel_server):
 
 
 def test_very_large_request_is_refused_and_the_server_carries_on(rel_server):
-    # No byte limit of its own yet: a 1 MiB prompt is tokenized, then refused by the
-    # prompt-token limit (over gRPC and HTTP alike).
+    # A 1 MiB prompt is refused by max_request_bytes before it is parsed or tokenized
+    # (over gRPC and HTTP alike).
     big = "x" * (1 << 20)
     err = error_of(one(rel_server, prompt=big))
-    assert err and "the limit is" in err, err[:300]
+    assert err and "bytes; the limit is 65536" in err, err[:300]
     status, body = clients.generate(rel_server.urls["http"], "limits", {"text_input": big})
-    assert status == 400 and "the limit is" in body["error"], (status, str(body)[:300])
+    assert status == 400 and "bytes; the limit is 65536" in body["error"], (status, str(body)[:300])
     assert ready(rel_server, "limits")
 
 
@@ -75,6 +75,8 @@ def test_full_pool_and_queue_refuse_with_busy_retry(rel_server):
     ({"stop": [""]}, "stop must be a list of non-empty strings"),
     ({"stop": [1, 2]}, "stop must be a string or a list of strings"),
     ({"stop_token_ids": [-3]}, "stop_token_ids must be a list of non-negative integers"),
+    ({"stop": ["a"] * 17}, "stop allows at most 16 strings"),
+    ({"stop": ["a" * 257]}, "of at most 256 characters"),
     ({"num_speculative_tokens": -1}, "num_speculative_tokens must be an integer >= 0"),
     ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
     ({"ignore_eos": "perhaps"}, "ignore_eos must be true or false"),
@@ -89,6 +91,6 @@ def test_in_range_edges_are_served(rel_server):
     for sampling in ({"temperature": 0.0, "top_p": 1.0, "top_k": -1}, {"top_k": 0, "seed": 0},
                      {"temperature": 5.0, "top_p": 1e-9, "seed": 2 ** 63 - 1},
                      {"top_k": 10 ** 9, "num_speculative_tokens": 10 ** 6},
-                     {"stop": ["a" * 1000] * 50, "stop_token_ids": [10 ** 9]}):
+                     {"stop": ["a" * 256] * 16, "stop_token_ids": [10 ** 9] * 64}):
         call = one(rel_server, prompt="hello", sampling={**sampling, "max_tokens": 4})
         assert error_of(call) is None, f"{sampling}: {call.responses[-1].error}"
