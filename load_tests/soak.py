@@ -72,21 +72,9 @@ def rss_kib(pid: int) -> int | None:
     return None
 
 
-def stub_pids(marker: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if "triton_python_backend_stub" in cmd and marker in cmd:
-                pids.append(int(entry.name))
-    return sorted(pids)
-
-
 def memory(server, model: str) -> dict:
     """RSS in MiB of tritonserver and of the stubs serving `model` (its engine lives there)."""
+    from exspec.serve import stub_pids   # importable once run() has put backend/ on the path
     stubs = [p for p in stub_pids(str(server.work_dir)) if f" {model}_0_" in _cmdline(p)]
     return {"server_mib": (rss_kib(server.process.pid) or 0) / 1024,
             "stub_mib": sum(rss_kib(p) or 0 for p in stubs) / 1024}
@@ -209,7 +197,7 @@ def wait_idle(metrics_url: str, timeout_s: float = 60.0) -> tuple[dict, float | 
 def run(args) -> dict:
     import subprocess
     sys.path.insert(0, str(REPO / "backend"))
-    from exspec.serve import TritonServer
+    from exspec.serve import TritonServer, stub_pids
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

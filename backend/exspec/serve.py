@@ -240,6 +240,22 @@ class TritonServer:
         self.cleanup()
 
 
+def stub_pids(marker: str) -> list[int]:
+    """Python backend stub processes whose command line mentions `marker` (e.g. a server's
+    backend folder or model repository): what must be gone after a clean stop."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "triton_python_backend_stub" in cmd and marker in cmd:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
 def parse_args(argv: list[str] | None):
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = []

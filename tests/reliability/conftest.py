@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "backend"))
 
 pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install -e '.[serve]'")
 
-from exspec.serve import TritonServer  # noqa: E402
+from exspec.serve import TritonServer, stub_pids  # noqa: E402,F401  (stub_pids: for the tests)
 from exspec.tiny import build_tokenizer, llama, noisy_copy, save_pair  # noqa: E402
 
 
@@ -107,21 +107,6 @@ def ready(server, model: str | None = None) -> bool:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
-
-
-def stub_pids(marker: str) -> list[int]:
-    """Python backend stub processes whose command line mentions `marker` (a repository path)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "triton_python_backend_stub" in cmd and marker in cmd:
-            pids.append(int(entry.name))
-    return pids
 
 
 def wait_gone(pids_fn, timeout_s: float) -> list[int]:
