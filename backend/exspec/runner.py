@@ -23,7 +23,6 @@ class StepResult:
     committed: list[list[int]]   # per row, after stop truncation
     num_accepted: list[int]      # per row, accepted drafts (before stop truncation)
     k: int
-    realign_bytes: int
 
 
 class ModelRunner:
@@ -161,7 +160,7 @@ class ModelRunner:
         if k > 0:
             group.draft_kv.drop_tail(draft_cut)
         self._count(seqs, k, accepted, committed)
-        return StepResult(committed, accepted, k, realign_bytes=0)
+        return StepResult(committed, accepted, k)
 
     def _draft(self, group: Group, k: int, rows: RowSampling, greedy: bool, u: torch.Tensor):
         """k draft tokens per row, feeding the draft only what its cache lacks."""

@@ -177,6 +177,3 @@ class Scheduler:
         group.plain_steps_in_a_row = group.plain_steps_in_a_row + 1 if k == 0 else 0
         if self.adaptive is not None:
             self.adaptive.observe(len(group), k, seconds, accepted)
-
-    def realign_after_step(self, group: Group) -> bool:
-        return True
