@@ -189,7 +189,7 @@ class AsyncClient:
         if self.protocol == "grpc":
             if self._grpc is None:
                 import tritonclient.grpc.aio as grpcaio
-                self._grpc = grpcaio.InferenceServerClient(self.url)
+                self._grpc = wire.grpc_client(grpcaio, self.url)
             return _AsyncGrpc(self._grpc, self.model, prompt, sampling_text, stream, timeout_s)
         if self._session is None:
             import aiohttp

@@ -23,7 +23,12 @@ PROTOCOLS = ("grpc", "http")
 
 def split_url(url: str | None, protocol: str | None) -> tuple[str, str]:
     """(protocol, address): grpc://host:port and http://host:port name their protocol; a bare
-    host:port takes `protocol` (gRPC by default)."""
+    host:port takes `protocol` (gRPC by default); dns:///name:port and ipv4:a:p,b:p are gRPC
+    targets balanced round robin over every server they name."""
+    if url and url.startswith(wire.BALANCED_TARGETS):
+        if protocol not in (None, "grpc"):
+            raise ValueError(f"{url!r} is a gRPC target; use --protocol grpc")
+        return "grpc", url
     if url and url.startswith("grpc://"):
         protocol, url = protocol or "grpc", url[len("grpc://"):]
     elif url and url.startswith(("http://", "https://")):
@@ -72,7 +77,7 @@ class Client:
         """Unary inference (tritonclient infer()) on the non-decoupled front model."""
         if self.protocol == "grpc":
             import tritonclient.grpc as module
-            client = module.InferenceServerClient(self.url)
+            client = wire.grpc_client(module, self.url)
             timeout = {"client_timeout": timeout_s or self.timeout_s}
         else:
             import tritonclient.http as module

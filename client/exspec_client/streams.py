@@ -98,7 +98,7 @@ class GrpcGeneration(Generation):
         import tritonclient.grpc as grpcclient
         super().__init__(timeout_s)
         self._events: queue.Queue = queue.Queue()
-        self._client = grpcclient.InferenceServerClient(url)
+        self._client = wire.grpc_client(grpcclient, url)   # one channel per generation
         self._streaming = False
         try:
             self._client.start_stream(callback=self._on_response, stream_timeout=timeout_s,

@@ -9,6 +9,23 @@ from .types import Delta
 FLAGS = {"return_finish_reason": True, "return_num_input_tokens": True}
 
 
+# gRPC targets that name several servers: a Kubernetes headless Service (dns:///name:port)
+# or a static list (ipv4:host:port,host:port). Their generations are spread round robin.
+BALANCED_TARGETS = ("dns:", "ipv4:", "ipv6:")
+_MAX_MESSAGE = 2**31 - 1
+
+
+def grpc_client(module, url: str):
+    """A tritonclient (sync or aio) gRPC client for `url`; a multi-server target gets a
+    round-robin channel (tritonclient's own channel options replaced, so restate its limits)."""
+    if url.startswith(BALANCED_TARGETS):
+        return module.InferenceServerClient(url, channel_args=[
+            ("grpc.lb_policy_name", "round_robin"),
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE)])
+    return module.InferenceServerClient(url)
+
+
 def infer_inputs(prompt, sampling: str, stream: bool, module=None):
     """InferInputs for one request (`module`: tritonclient.grpc, the default, or
     tritonclient.http). Not streaming, the prompt is excluded so text_output is only the
