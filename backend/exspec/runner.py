@@ -86,8 +86,7 @@ class ModelRunner:
                 self._forward(self.draft, draft_kv, ids, pos, valid, counts, keep=1)
             group = Group(seqs, target_kv, draft_kv)
             rows = group.sampling(self.device)
-            probs = probs_from_logits(logits, rows, rows.all_greedy)[:, 0]
-            first = sample(probs, self._uniforms(seqs, 1)[:, 0])
+            first, _ = self._pick(logits[:, 0], rows, seqs)
             want_lp = any(s.params.logprobs for s in seqs)
             lp = self._logprobs(logits[:, 0], first).tolist() if want_lp else None
             for row, (seq, token) in enumerate(zip(seqs, first.tolist())):
@@ -118,12 +117,13 @@ class ModelRunner:
         seqs = group.seqs
         rows = group.sampling(self.device)
         greedy = rows.all_greedy
-        u = self._uniforms(seqs, 2 * k + 1)
+        # one uniform per draft token, per acceptance test, and for the final token
+        u = None if greedy else self._uniforms(seqs, 2 * k + 1)
 
         if k > 0:
             self.catch_up_draft(group)
             with self.stats.timer("draft"):
-                draft_tokens, q = self._draft(group, k, rows, greedy, u[:, :k])
+                draft_tokens, q = self._draft(group, k, rows, u)
 
         with self.stats.timer("verify"):
             pending = torch.tensor([[s.pending_token] for s in seqs], device=self.device)
@@ -132,11 +132,15 @@ class ModelRunner:
             pos = start[:, None] + torch.arange(k + 1, device=self.device)
             valid = torch.ones_like(ids, dtype=torch.bool)
             logits = self._forward(self.target, group.target_kv, ids, pos, valid, [k + 1] * len(seqs), keep=k + 1)
-            p = probs_from_logits(logits, rows, greedy)
-            if k == 0:
+            if greedy:   # the rule below with one-hot p and q, without building them
+                tokens = logits.argmax(-1)
+                matches = draft_tokens == tokens[:, :k] if k else tokens[:, :0].bool()
+                num_accepted = matches.long().cumprod(-1).sum(-1)
+            elif k == 0:
                 num_accepted = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
-                tokens = sample(p[:, 0], u[:, 0]).unsqueeze(1)
+                tokens = self._pick(logits[:, 0], rows, seqs, u[:, 0])[0].unsqueeze(1)
             else:
+                p = probs_from_logits(logits, rows)
                 num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
             want_lp = any(s.params.logprobs for s in seqs)
             lp = self._logprobs(logits, tokens).tolist() if want_lp else None
@@ -162,8 +166,9 @@ class ModelRunner:
         self._count(seqs, k, accepted, committed)
         return StepResult(committed, accepted, k)
 
-    def _draft(self, group: Group, k: int, rows: RowSampling, greedy: bool, u: torch.Tensor):
-        """k draft tokens per row, feeding the draft only what its cache lacks."""
+    def _draft(self, group: Group, k: int, rows: RowSampling, u: torch.Tensor | None):
+        """k draft tokens per row (and their distributions when sampling), feeding the draft
+        only what its cache lacks."""
         seqs = group.seqs
         tails = [s.tokens[s.num_cached_draft:] for s in seqs]
         ids, pos, valid, counts = self._ragged_input(tails, [s.num_cached_draft for s in seqs])
@@ -171,14 +176,22 @@ class ModelRunner:
         tokens, probs = [], []
         for j in range(k):
             logits = self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)
-            q = probs_from_logits(logits, rows, greedy)[:, 0]
-            token = sample(q, u[:, j])
+            token, q = self._pick(logits[:, 0], rows, seqs, None if u is None else u[:, j])
             tokens.append(token)
             probs.append(q)
             if j + 1 < k:
                 ids, pos = token[:, None], (next_pos + j)[:, None]
                 valid, counts = torch.ones_like(ids, dtype=torch.bool), [1] * len(seqs)
-        return torch.stack(tokens, 1), torch.stack(probs, 1)
+        return torch.stack(tokens, 1), (None if probs[0] is None else torch.stack(probs, 1))
+
+    def _pick(self, logits: torch.Tensor, rows: RowSampling, seqs, u=None):
+        """Next token per row from [B, V] logits: the argmax for an all-greedy group (no
+        distributions built), else a sample with its distribution."""
+        if rows.all_greedy:
+            return logits.argmax(-1), None
+        q = probs_from_logits(logits[:, None], rows)[:, 0]
+        u = self._uniforms(seqs, 1)[:, 0] if u is None else u
+        return sample(q, u), q
 
     @staticmethod
     def _row_k(seq: Sequence, k: int) -> int:

@@ -2,7 +2,8 @@
 
 Greedy rows use one-hot distributions (at the argmax), so one acceptance rule serves greedy and
 sampled rows alike: with one-hot p and q, "accept with min(1, p/q)" is "accept iff the target's
-argmax equals the draft", and the residual is the target's argmax.
+argmax equals the draft", and the residual is the target's argmax. A group whose rows are all
+greedy takes that shortcut directly (runner.py) and never builds [B, k+1, V] distributions.
 """
 from __future__ import annotations
 
@@ -34,12 +35,11 @@ class RowSampling:
         return bool(self.greedy.all())
 
 
-def probs_from_logits(logits: torch.Tensor, rows: RowSampling, all_greedy: bool) -> torch.Tensor:
-    """[B, T, V] logits -> [B, T, V] float32 probabilities after temperature, top-k and top-p."""
+def probs_from_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """[B, T, V] logits -> [B, T, V] float32 probabilities after temperature, top-k and top-p
+    (one-hot at the argmax for greedy rows of a mixed group)."""
     logits = logits.float()
     one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    if all_greedy:
-        return one_hot
     scaled = logits / rows.temperature[:, None, None]
     vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)

@@ -44,7 +44,7 @@ def target_joint(target_path) -> torch.Tensor:
         with torch.no_grad():
             logits = model(input_ids=torch.tensor(prefixes)).logits[:, -1:]
         rows = RowSampling.from_params([sp] * len(prefixes), "cpu")
-        return probs_from_logits(logits, rows, False)[:, 0].double()
+        return probs_from_logits(logits, rows)[:, 0].double()
 
     p1 = dist([PROMPT])[0]
     p2 = dist([PROMPT + [a] for a in range(VOCAB)])
