@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .faults import Faults
 
@@ -34,7 +34,6 @@ class EngineConfig:
     seed: int = 0                         # for requests that sample without a seed of their own
     tick_timeout_s: float | None = None   # the Triton adapter's watchdog: a longer tick is fatal
     fault_injection: dict | None = None   # tests only: see faults.py; off unless set here
-    extra: dict = field(default_factory=dict, repr=False)  # reserved; must stay empty
 
     def __post_init__(self):
         if not self.target_model:
@@ -66,13 +65,11 @@ class EngineConfig:
         Faults(self.fault_injection)   # validates the keys now, at model load
         if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
             raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
-        if self.extra:
-            raise ValueError(f"unknown engine config keys: {', '.join(sorted(self.extra))}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":
         """Build from model.json-style keys; unknown keys are an error that names them."""
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown engine config keys: {', '.join(unknown)} "

@@ -205,7 +205,7 @@ class LLMEngine:
                     break
                 pending.popleft()
             for out in self.step():
-                res = results.setdefault(out.request_id, CompletionOutput(out.request_id, []))
+                res = results.setdefault(out.request_id, CompletionOutput(out.request_id))
                 res.token_ids += out.new_token_ids
                 res.text += out.text_delta
                 if out.new_logprobs is not None:

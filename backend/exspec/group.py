@@ -38,10 +38,6 @@ class Group:
         return len({s.num_tokens for s in self.seqs}) == 1
 
     @property
-    def aligned(self) -> bool:
-        return self.target_kv.aligned and (self.draft_kv is None or self.draft_kv.aligned)
-
-    @property
     def max_skipped(self) -> int:
         return max(s.skipped_ticks for s in self.seqs)
 

@@ -53,8 +53,6 @@ class PaddedKV:
     def batch(self) -> int:
         return self.valid.shape[0]
 
-    def nbytes(self) -> int:
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in _layers(self.cache))
 
     # -- a forward pass: the mask to pass in, then the bookkeeping after it -------------------
     def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -210,8 +208,6 @@ class SlotKV:
     def batch(self) -> int:
         return len(self.lengths)
 
-    def nbytes(self) -> int:
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in _layers(self.cache))
 
     def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
         batch, q = input_valid.shape

@@ -22,7 +22,6 @@ class RequestOutput:
 @dataclass
 class CompletionOutput:
     request_id: str
-    prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)  # ends with the EOS id when EOS stopped it
     text: str = ""
     finish_reason: str | None = None

@@ -64,11 +64,6 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def room(self) -> int:
-        """Tokens this sequence may still commit before max_tokens or max_model_len."""
-        return min(self.max_tokens - self.num_output_tokens, self.max_model_len - self.num_tokens)
-
     # -- the one method that changes the token list ---------------------------------------
     def append(self, new_tokens: list[int], logprobs: list[float] | None = None) -> list[int]:
         """Commit tokens in order, stopping at the first stop condition (I5).

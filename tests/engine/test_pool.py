@@ -76,11 +76,13 @@ def test_random_arrivals_and_aborts(pairs, reference, monkeypatch, method):
 def test_a_request_admitted_and_finished_in_one_tick_gets_one_output(pairs, reference):
     engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=4)
     prompt = make_prompts(320, pairs["llama", "eos"], seed=28, count=2)[1]
-    engine.add_request("short", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("short", prompt, SamplingParams(max_tokens=3))
     outs = engine.step()   # prefill (1 token) and a k=5 step (the rest) in the same tick
     assert [o.finished for o in outs] == [True], outs
-    assert outs[0].new_token_ids == outs[0].new_token_ids[:3] and len(outs[0].new_token_ids) == 3
-    assert outs[0].text_delta == engine.tokenizer.decode(outs[0].new_token_ids)
+    assert outs[0].new_token_ids == reference(pairs["llama", "target"], prompt, 3)
+    assert outs[0].num_output_tokens == len(outs[0].new_token_ids)
+    assert outs[0].text_delta == engine.tokenizer.decode(outs[0].new_token_ids,
+                                                         skip_special_tokens=True)
 
 
 def test_joins_never_reprefill_running_sequences(pairs):
