@@ -12,7 +12,6 @@ and the repository's own config files, and serves three models from one server:
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -24,6 +23,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "backend"))
+sys.path.insert(0, str(REPO / "tests"))
 
 pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install -e '.[serve]'")
 
@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from exspec.serve import TritonServer  # noqa: E402
 from exspec.tiny import build_tokenizer, gpt2, llama, noisy_copy, save_pair  # noqa: E402
+from modelrepo import copy_unary, write_model  # noqa: E402,F401  (tests/modelrepo.py)
 
 SCRIPT = "日本語🚀 STOP here.ü"   # the scripted model's greedy output cycles through this
 MODELS = {
@@ -83,16 +84,9 @@ def build_repository(root: Path) -> Path:
                  eos_token_id=tokenizer.eos_token_id)
     save_pair(pairs / "small", tokenizer, small, noisy_copy(small, 22, scale=0.1))
 
-    config = (REPO / "model_repository" / "exspec" / "config.pbtxt").read_text()
     for name, engine in MODELS.items():
-        (repo / name / "1").mkdir(parents=True)
-        (repo / name / "config.pbtxt").write_text(config)
-        pair = pairs / name
-        (repo / name / "1" / "model.json").write_text(json.dumps({
-            "target_model": str(pair / "target"), "draft_model": str(pair / "draft"),
-            "tokenizer": str(pair / "tokenizer"), **engine}, indent=1))
-    shutil.copytree(REPO / "model_repository" / "exspec_unary", repo / "exspec_unary",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+        write_model(repo, name, pairs / name, engine)
+    copy_unary(repo)
     return repo
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -13,12 +12,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "backend"))
+sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "client"))
 
 pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install -e '.[serve]'")
 
 from exspec.serve import TritonServer  # noqa: E402
 from exspec.tiny import build_tokenizer, llama, noisy_copy, save_pair  # noqa: E402
+from modelrepo import copy_unary, write_model  # noqa: E402,F401  (tests/modelrepo.py)
 
 
 def _integration_helpers():
@@ -42,13 +43,8 @@ def build_repository(root: Path) -> Path:
                    eos_token_id=tokenizer.eos_token_id)
     pair = save_pair(root / "pair", tokenizer, target, noisy_copy(target, 12, scale=0.05))
     repo = root / "models"
-    (repo / "exspec" / "1").mkdir(parents=True)
-    shutil.copy(REPO / "model_repository" / "exspec" / "config.pbtxt", repo / "exspec")
-    (repo / "exspec" / "1" / "model.json").write_text(json.dumps({
-        "target_model": str(pair / "target"), "draft_model": str(pair / "draft"),
-        "tokenizer": str(pair / "tokenizer"), **ENGINE}, indent=1))
-    shutil.copytree(REPO / "model_repository" / "exspec_unary", repo / "exspec_unary",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    write_model(repo, "exspec", pair, ENGINE)
+    copy_unary(repo)
     return repo
 
 

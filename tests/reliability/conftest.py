@@ -15,7 +15,6 @@ The SIGTERM test starts its own server (it kills it); see test_shutdown.py.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import sys
@@ -26,11 +25,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "backend"))
+sys.path.insert(0, str(REPO / "tests"))
 
 pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install -e '.[serve]'")
 
 from exspec.serve import TritonServer, stub_pids  # noqa: E402,F401  (stub_pids: for the tests)
 from exspec.tiny import build_tokenizer, llama, noisy_copy, save_pair  # noqa: E402
+from modelrepo import copy_unary, write_model  # noqa: E402,F401  (tests/modelrepo.py)
 
 
 def _load(name: str, path: Path):
@@ -64,15 +65,6 @@ def build_pair(root: Path) -> Path:
     target = llama(len(tokenizer), 31, layers=2, hidden=64, max_positions=1024,
                    eos_token_id=tokenizer.eos_token_id)
     return save_pair(root / "pair", tokenizer, target, noisy_copy(target, 32, scale=0.05))
-
-
-def write_model(repo: Path, name: str, pair: Path, engine: dict, config_extra: str = "") -> None:
-    (repo / name / "1").mkdir(parents=True)
-    config = (REPO / "model_repository" / "exspec" / "config.pbtxt").read_text()
-    (repo / name / "config.pbtxt").write_text(config + config_extra)
-    (repo / name / "1" / "model.json").write_text(json.dumps({
-        "target_model": str(pair / "target"), "draft_model": str(pair / "draft"),
-        "tokenizer": str(pair / "tokenizer"), **engine}, indent=1))
 
 
 @pytest.fixture(scope="session")
