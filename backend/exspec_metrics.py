@@ -44,6 +44,10 @@ class Metrics:
         self.waiting = family("exspec:num_requests_waiting", G, "Requests waiting for the pool")()
         self._kv_family = family("exspec:kv_cache_tokens", G, "KV cache entries held in the pool")
         self._kv = {}
+        self.engine_up = family("exspec:engine_up", G,
+                                "1 while the engine runs ticks; 0 once it died or a tick ran past "
+                                "tick_timeout_s (every request then gets UNAVAILABLE)")()
+        self.engine_up.set(1)
         self.k = family("exspec:num_speculative_tokens", G,
                         "Configured speculation length k (0: speculation off)")()
         self.ttft = family("exspec:time_to_first_token_seconds", H, "Time to first token",

@@ -45,6 +45,7 @@ PATH_KEYS = ("target_model", "draft_model", "tokenizer")
 CANCEL_POLL_S = 0.1          # how often the send thread asks Triton about cancellations
 FINALIZE_DRAIN_S = 10.0      # how long finalize lets aborted requests reach their final response
 DRAIN_POLL_S = 0.5           # how often the send thread looks for the drain file
+ORPHAN_POLL_S = 0.5         # how often the stub checks that tritonserver is still its parent
 DEFAULT_DRAIN_TIMEOUT_S = 20.0   # config.pbtxt parameter drain_timeout_s; below the default exit timeout (30 s)
 
 INPUTS = [
@@ -171,8 +172,10 @@ class TritonPythonModel:
                                                daemon=True)
         self._send_thread = threading.Thread(target=self._send_loop, name="exspec-send",
                                              daemon=True)
+        self._server_pid = os.getppid()
         self._engine_thread.start()
         self._send_thread.start()
+        threading.Thread(target=self._guard_orphan, name="exspec-orphan-guard", daemon=True).start()
         pb_utils.Logger.log_info(f"exspec: model {self.model_name} ready on {engine_config.device}")
 
     @staticmethod
@@ -367,6 +370,7 @@ class TritonPythonModel:
                               "cannot serve until the server is restarted")
                 pb_utils.Logger.log_error(f"exspec: {self._dead}; ending {len(self._streams)} "
                                           "requests in flight")
+                self.metrics.engine_up.set(0)
             for stream in list(self._streams.values()):
                 self._finish_with_error(stream, _triton_error(
                     EngineBusyError(self._dead), stream.tag_error_codes), "error")
@@ -498,6 +502,24 @@ class TritonPythonModel:
             outcome, out.num_prompt_tokens if out else 0, out.num_output_tokens if out else 0,
             now - stream.arrived,
             None if stream.first_token_at is None else stream.first_token_at - stream.arrived)
+
+    # -- health -----------------------------------------------------------------------------
+    def is_ready(self):
+        """/v2/models/<model>/ready on Triton 26.03 and later (older ones never ask): not ready
+        once the engine stopped or while draining, so load balancers and Kubernetes stop
+        sending requests here. The exspec:engine_up gauge says the same on any version."""
+        return self._dead is None and self._intake_open
+
+    def _guard_orphan(self):
+        """Exit once tritonserver is gone. The stub's own check can hang: a response send
+        blocks until the server acknowledges it, and a dead server never does (seen here: the
+        stub outlived tritonserver by over a minute after an exit timeout cut live streams)."""
+        while True:
+            time.sleep(ORPHAN_POLL_S)
+            if os.getppid() != self._server_pid:
+                print(f"exspec: tritonserver (pid {self._server_pid}) is gone; the stub for "
+                      f"{self.model_name} exits", file=sys.stderr, flush=True)
+                os._exit(0)
 
     # -- shutdown ---------------------------------------------------------------------------
     def finalize(self):

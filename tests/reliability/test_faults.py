@@ -101,6 +101,9 @@ def test_engine_thread_death_ends_in_flight_and_new_requests_with_unavailable(re
     assert status != 200 and "has stopped" in body["error"], (status, body)
     log = server_log(rel_server)
     assert "exspec: the engine thread died: Traceback" in log and "EngineCrash" in log
+    # Monitoring sees it (exspec:engine_up; the alert ExspecEngineDown), per model.
+    assert scrape(rel_server, "exspec:engine_up", model="crash") == 0
+    assert scrape(rel_server, "exspec:engine_up", model="limits") == 1
     # The server and its other models carry on.
     assert ready(rel_server) and one(rel_server, "limits", PROMPTS[0]).ids() == reference[PROMPTS[0]]
     print(f"\ncrash: in-flight answered after {t_new - start:.1f} s, a new request after "
@@ -120,5 +123,6 @@ def test_tick_past_tick_timeout_ends_requests_with_unavailable(rel_server, refer
     log = server_log(rel_server)
     assert "a tick has run past tick_timeout_s" in log and "before_tick" in log, (
         "the stuck engine thread's stack is not in the log")
+    assert scrape(rel_server, "exspec:engine_up", model="slow") == 0
     assert ready(rel_server) and one(rel_server, "limits", PROMPTS[1]).ids() == reference[PROMPTS[1]]
     print(f"\nslow: stuck tick answered after {took:.1f} s (tick_delay_s 2.5, tick_timeout_s 0.5)")
