@@ -43,8 +43,26 @@ json_values = st.recursive(st.one_of(st.none(), st.booleans(), numbers, texts),
                            lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                    st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                            max_leaves=12)
-sampling_dicts = st.dictionaries(st.one_of(st.sampled_from(KEYS), st.text(max_size=10)),
-                                 json_values, max_size=5)
+hostile_sampling = st.dictionaries(st.one_of(st.sampled_from(KEYS), st.text(max_size=10)),
+                                   json_values, max_size=5)
+# Values inside the limits model's ranges, so about half of the cases generate tokens (greedy
+# and sampled, with stops, seeds and speculation lengths) and the serving paths get fuzzed too,
+# not only the refusals.
+valid_values = {
+    "max_tokens": st.integers(1, 16),
+    "temperature": st.one_of(st.just(0.0), st.floats(0.05, 2.0)),
+    "top_p": st.floats(0.05, 1.0),
+    "top_k": st.one_of(st.just(-1), st.integers(1, 50)),
+    "seed": st.integers(0, 2 ** 31 - 1),
+    "stop": st.lists(st.text(min_size=1, max_size=6), max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 30), max_size=3),
+    "ignore_eos": st.booleans(),
+    "num_speculative_tokens": st.integers(0, 4),
+    "logprobs": st.booleans(),
+}
+valid_sampling = st.fixed_dictionaries({}, optional=valid_values)
+sampling_dicts = st.one_of(valid_sampling, hostile_sampling)
+valid_prompts = st.text(st.characters(codec="ascii", exclude_categories=["Cc"]), min_size=1, max_size=40)
 
 
 def _dumps(value) -> str:
@@ -53,8 +71,20 @@ def _dumps(value) -> str:
 
 @st.composite
 def grpc_cases(draw):
-    """(inputs as (name, datatype, numpy array), request parameters)."""
+    """(inputs as (name, datatype, numpy array), request parameters, whether the request is
+    valid: then it must be served, not refused)."""
     inputs = []
+    if draw(st.booleans()):   # a request the server should serve
+        prompt = (draw(valid_prompts).encode() if draw(st.booleans())
+                  else np.array(draw(st.lists(st.integers(1, 300), min_size=1, max_size=40)), dtype=np.int64))
+        if isinstance(prompt, bytes):
+            inputs.append(("text_input", "BYTES", np.array([prompt], dtype=np.object_)))
+        else:
+            inputs.append(("input_ids", "INT64", prompt))
+        inputs.append(("sampling_parameters", "BYTES",
+                       np.array([_dumps(draw(valid_sampling)).encode()], dtype=np.object_)))
+        inputs.append(("stream", "BOOL", np.array([draw(st.booleans())], dtype=bool)))
+        return inputs, {}, True
     prompt_kind = draw(st.sampled_from(["text", "ids", "both", "none", "text_bad", "ids_bad"]))
     if prompt_kind in ("text", "both"):
         inputs.append(("text_input", "BYTES", np.array(
@@ -89,7 +119,7 @@ def grpc_cases(draw):
         st.one_of(st.sampled_from(KEYS), st.text(min_size=1, max_size=10)),
         st.one_of(st.booleans(), st.integers(-(2 ** 63), 2 ** 63 - 1),
                   st.floats(allow_nan=True, allow_infinity=True), texts), max_size=4))
-    return inputs, params
+    return inputs, params, False
 
 
 class Stream:
@@ -160,11 +190,12 @@ def test_fuzz_grpc_stream_tensors_and_parameters(rel_server):
     @SETTINGS
     @given(grpc_cases())
     def case(c):
-        inputs, params = c
+        inputs, params, valid = c
         n = sum(counts.values())
         outcome = stream.case(f"f{n}", inputs, params)
-        counts[classify(outcome)] += 1
+        counts[classify(outcome) + (" valid" if valid else "")] += 1
         check_error(outcome, c)
+        assert outcome == "ok" or not valid, f"a valid request was refused: {c!r:.400}: {outcome}"
 
     try:
         case()
@@ -186,6 +217,12 @@ def http_post(url, raw: bytes):
 
 @st.composite
 def http_bodies(draw):
+    """(endpoint, raw body, whether the body is valid: then it must be served to the end)."""
+    endpoint = draw(st.sampled_from(["generate", "generate_stream"]))
+    if draw(st.booleans()):
+        body = {"text_input": draw(valid_prompts), "return_finish_reason": True,
+                "sampling_parameters": _dumps(draw(valid_sampling))}
+        return endpoint, _dumps(body).encode(), True
     body = draw(sampling_dicts)
     if draw(st.booleans()):
         body["text_input"] = draw(json_values)
@@ -201,7 +238,12 @@ def http_bodies(draw):
     raw = _dumps(body).encode("utf-8", "surrogatepass")
     if draw(st.integers(0, 9)) == 0:   # broken JSON now and then
         raw = raw[: draw(st.integers(0, max(0, len(raw) - 1)))]
-    return draw(st.sampled_from(["generate", "generate_stream"])), raw
+    return endpoint, raw, False
+
+
+def _final_reason(answer: dict) -> str:
+    reason = answer.get("finish_reason")
+    return reason[0] if isinstance(reason, list) else str(reason)
 
 
 def test_fuzz_http_generate_bodies(rel_server):
@@ -211,7 +253,7 @@ def test_fuzz_http_generate_bodies(rel_server):
     @SETTINGS
     @given(http_bodies())
     def case(c):
-        endpoint, raw = c
+        endpoint, raw, valid = c
         start = time.monotonic()
         try:
             status, body = http_post(f"{base}/{endpoint}", raw)
@@ -226,9 +268,11 @@ def test_fuzz_http_generate_bodies(rel_server):
         if status == 200 and endpoint == "generate_stream":
             events = [line for line in body.splitlines() if line.startswith(b"data: ")]
             assert events, f"a stream with no events: {raw[:300]!r}"
-            last = json.loads(events[-1][6:])
-            assert "error" in last or last.get("finish_reason", "None") != "None" or len(events) >= 1
-        counts[f"{endpoint} {status}"] += 1
+        if valid:   # served to the end: one final answer that says why it stopped
+            assert status == 200, f"a valid request was refused: {raw[:300]!r}: {status} {body[:300]!r}"
+            last = json.loads(events[-1][6:] if endpoint == "generate_stream" else body)
+            assert _final_reason(last) in ("stop", "length"), f"{raw[:300]!r}: last answer {last}"
+        counts[f"{endpoint} {status}{' valid' if valid else ''}"] += 1
         check_error(body.decode("utf-8", "replace"), raw[:300])
 
     case()
