@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from .faults import Faults
 
 METHODS = ("exspec", "eqspec", "autoregressive")
 DTYPES = ("float32", "bfloat16", "float16")
+DEVICE_MAP_POLICIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 @dataclass
@@ -29,6 +31,7 @@ class EngineConfig:
     default_max_tokens: int = 256
     max_skipped_ticks: int | None = None  # fairness bound; default: one round of the pool + 1
     device: str = "cpu"
+    device_map: str | dict | None = None  # spread the target over GPUs (Hugging Face device_map)
     dtype: str = "float32"
     trust_remote_code: bool = False
     seed: int = 0                         # for requests that sample without a seed of their own
@@ -46,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device_map is not None:
+            self._check_device_map()
         for name in ("num_speculative_tokens",):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -65,6 +70,29 @@ class EngineConfig:
         Faults(self.fault_injection)   # validates the keys now, at model load
         if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
             raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
+
+    def _check_device_map(self) -> None:
+        """A target too big for one GPU: a Hugging Face placement policy, or a map of module
+        names to GPUs. The inputs, the draft and the sampling stay on `device`, which must hold
+        the target's embeddings (checked at load). Nothing may go to cpu or disk: a layer
+        there would make every step wait on host memory."""
+        if not self.device.startswith("cuda"):
+            raise ValueError(f"device_map spreads the target over GPUs; it needs device "
+                             f"'cuda[:N]' (the GPU with the embeddings and the draft), got {self.device!r}")
+        if isinstance(self.device_map, str):
+            if self.device_map not in DEVICE_MAP_POLICIES:
+                raise ValueError(f"device_map must be one of {', '.join(DEVICE_MAP_POLICIES)} or a "
+                                 f"map of module names to GPU ids, got {self.device_map!r}")
+            return
+        if not isinstance(self.device_map, dict) or not self.device_map:
+            raise ValueError(f"device_map must be a policy name or a non-empty map of module names "
+                             f"to GPU ids, got {self.device_map!r}")
+        for module, where in self.device_map.items():
+            ok = (isinstance(where, int) and not isinstance(where, bool) and where >= 0) or (
+                isinstance(where, str) and re.fullmatch(r"cuda(:\d+)?", where))
+            if not ok:
+                raise ValueError(f"device_map[{module!r}] must be a GPU id (0, 1, ... or "
+                                 f"'cuda:N'), got {where!r}; cpu and disk offload are not supported")
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":

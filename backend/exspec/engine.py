@@ -21,7 +21,7 @@ from .detokenizer import Detokenizer
 from .errors import EngineBusyError, InvalidRequestError
 from .faults import Faults
 from .kv import PaddedKV, SlotKV
-from .models import ModelPair, load_pair
+from .models import ModelPair, load_pair, model_devices
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
 from .pool import SequencePool
@@ -41,10 +41,12 @@ def _load_libc():
 _LIBC = _load_libc()
 
 
-def kv_token_budget(device: str, *models, share: float = 0.9) -> int:
-    """KV entries (both models counted, as the pool counts them) that the free device memory
-    holds once the models are loaded, keeping 10% for activations and the allocator."""
-    free, _ = torch.cuda.mem_get_info(torch.device(device))
+def kv_token_budget(*models, share: float = 0.9) -> int:
+    """KV entries (both models counted, as the pool counts them) that the free memory of the
+    models' GPUs holds once they are loaded, keeping 10% for activations and the allocator.
+    A target spread over GPUs keeps each layer's cache on its layer's GPU: their free memory
+    adds up."""
+    free = sum(torch.cuda.mem_get_info(d)[0] for d in model_devices(*models))
     per_entry = []
     for model in (m for m in models if m is not None):
         cfg = model.config.get_text_config(decoder=True)
@@ -68,7 +70,7 @@ class LLMEngine:
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len - 1,
                                      self.max_model_len - 1)
         if config.max_num_kv_tokens is None and config.device.startswith("cuda"):
-            config.max_num_kv_tokens = kv_token_budget(config.device, self.target, self.draft)
+            config.max_num_kv_tokens = kv_token_budget(self.target, self.draft)
         self.stats_ = Stats(config.device)
         pad_id = self.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else min(self.eos_ids, default=0)

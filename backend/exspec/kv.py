@@ -33,6 +33,12 @@ def _layers(cache: DynamicCache):
     return [layer for layer in cache.layers if layer.is_initialized]
 
 
+def _on(index: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """`index` where `tensor` lives: a target spread over GPUs (device_map) keeps each layer's
+    cache on that layer's GPU, while the bookkeeping lives on the engine's device."""
+    return index if index.device == tensor.device else index.to(tensor.device)
+
+
 class PaddedKV:
     """One model's cache for a group of rows, right-aligned, with a validity mask."""
 
@@ -90,7 +96,8 @@ class PaddedKV:
         self.valid = torch.arange(width, device=order.device)[None, :] >= (width - counts)[:, None]
         moved = 0
         for layer in _layers(self.cache):
-            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            idx = _on(order, layer.keys)[:, None, :, None].expand(
+                -1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys = layer.keys.gather(2, idx)
             layer.values = layer.values.gather(2, idx)
             moved += layer.keys.nbytes + layer.values.nbytes
@@ -104,8 +111,8 @@ class PaddedKV:
         self.valid = self.valid.index_select(0, index)
         moved = 0
         for layer in _layers(self.cache):
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)
+            layer.keys = layer.keys.index_select(0, _on(index, layer.keys))
+            layer.values = layer.values.index_select(0, _on(index, layer.values))
             moved += layer.keys.nbytes + layer.values.nbytes
         self._trim_left()
         return moved
@@ -170,7 +177,7 @@ class _RowWriteLayer(DynamicLayer):
             self.keys[:, :, cols] = key_states
             self.values[:, :, cols] = value_states
         else:
-            index = owner.write_index[:, None, :, None].expand_as(key_states)
+            index = owner.write_index_on(key_states.device)[:, None, :, None].expand_as(key_states)
             self.keys.scatter_(2, index, key_states)
             self.values.scatter_(2, index, value_states)
         return self.keys[:, :, :owner.width], self.values[:, :, :owner.width]
@@ -198,6 +205,7 @@ class SlotKV:
         self.width = 0                  # columns attention sees in the current forward
         self.uniform_start: int | None = None
         self.write_index: torch.Tensor | None = None
+        self._write_index_copies: dict = {}   # write_index on other GPUs (device_map), per forward
         self.aligned = True             # nothing here ever needs realigning
 
     @classmethod
@@ -226,10 +234,18 @@ class SlotKV:
             for n, c in zip(self.lengths, counts):
                 cols.append(list(range(n + c, n + q)) + list(range(n, n + c)))
             query_cols = torch.tensor(cols, device=self.device)
-            self.write_index = query_cols
+            self.write_index, self._write_index_copies = query_cols, {}
         allowed = torch.arange(self.width, device=self.device) <= query_cols[:, :, None]
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
+
+    def write_index_on(self, device: torch.device) -> torch.Tensor:
+        """The forward's write columns on a layer's GPU (copied once per GPU per forward)."""
+        if device == self.write_index.device:
+            return self.write_index
+        if device not in self._write_index_copies:
+            self._write_index_copies[device] = self.write_index.to(device)
+        return self._write_index_copies[device]
 
     def appended(self, input_valid: torch.Tensor, counts: list[int]) -> None:
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
@@ -246,8 +262,8 @@ class SlotKV:
         keep = max(self.lengths) + self.HEADROOM
         moved = 0
         for layer in _layers(self.cache):
-            layer.keys = layer.keys[:, :, :keep].index_select(0, index)
-            layer.values = layer.values[:, :, :keep].index_select(0, index)
+            layer.keys = layer.keys[:, :, :keep].index_select(0, _on(index, layer.keys))
+            layer.values = layer.values[:, :, :keep].index_select(0, _on(index, layer.values))
             moved += layer.keys.nbytes + layer.values.nbytes
         self.capacity = min(self.capacity, keep)
         return moved

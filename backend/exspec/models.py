@@ -33,14 +33,49 @@ def _check_source(name: str, what: str) -> str:
     return str(path) if path.exists() else name
 
 
-def load_model(name: str, config: EngineConfig, what: str):
+def load_model(name: str, config: EngineConfig, what: str, device_map=None):
+    """On config.device, or spread over GPUs by `device_map` (then left where it is put)."""
     source = _check_source(name, what)
+    placement = {} if device_map is None else {"device_map": device_map}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code)
+            source, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code,
+            **placement)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {what} model from {name!r}: {exc}") from exc
-    return model.to(config.device).eval().requires_grad_(False)
+    except ImportError as exc:   # device_map needs accelerate
+        raise ModelLoadError(f"cannot load {what} model with device_map: {exc}") from exc
+    if device_map is None:
+        model = model.to(config.device)
+    return model.eval().requires_grad_(False)
+
+
+def check_spread(target, device: str) -> None:
+    """A target spread by device_map must keep every weight on a GPU (offloaded layers make
+    each step wait on host memory or disk) and start on the engine's device (inputs, the
+    draft and sampling live there)."""
+    offloaded = sorted(str(d) for d in model_devices(target) if d.type != "cuda")
+    if offloaded:
+        raise ModelLoadError(f"the target does not fit on the GPUs: device_map left weights on "
+                             f"{', '.join(offloaded)} (meta: disk); use more GPUs, a smaller "
+                             "dtype or a smaller target")
+    home = target.get_input_embeddings().weight.device
+    if not same_device(home, torch.device(device)):
+        raise ModelLoadError(f"device_map put the target's input embeddings on {home}, but the "
+                             f"engine's device is {device}: map them (and the first layers) to "
+                             f"{device}, or set device to {home}")
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """cuda and cuda:0 are the same GPU when 0 is the current one."""
+    index = lambda d: d.index if d.index is not None else (   # noqa: E731
+        torch.cuda.current_device() if d.type == "cuda" else None)
+    return a.type == b.type and index(a) == index(b)
+
+
+def model_devices(*models) -> set[torch.device]:
+    """Every device holding a parameter of these models."""
+    return {p.device for m in models if m is not None for p in m.parameters()}
 
 
 def load_tokenizer(name: str, config: EngineConfig):
@@ -82,10 +117,14 @@ def check_vocabularies(target, draft) -> None:
 
 
 def load_pair(config: EngineConfig) -> ModelPair:
-    target = load_model(config.target_model, config, "target")
     draft = None
     if config.method != "autoregressive" and config.draft_model:
+        # first, so that a device_map policy sees the memory the draft takes
         draft = load_model(config.draft_model, config, "draft")
+    target = load_model(config.target_model, config, "target", config.device_map)
+    if config.device_map is not None:
+        check_spread(target, config.device)
+    if draft is not None:
         check_vocabularies(target, draft)
     tokenizer = load_tokenizer(config.tokenizer or config.target_model, config)
     limits = [m for m in (_max_positions(target), draft and _max_positions(draft)) if m]

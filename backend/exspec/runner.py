@@ -56,7 +56,8 @@ class ModelRunner:
         out = model(input_ids=ids, attention_mask=kv.attention_mask(valid, counts), position_ids=pos,
                     cache=kv.cache, use_cache=True, logits_to_keep=keep)
         kv.appended(valid, counts)
-        return out.logits
+        # a target spread over GPUs ends on its last GPU; sampling lives on the engine's device
+        return out.logits.to(self.device)
 
     def _uniforms(self, seqs: list[Sequence], count: int) -> torch.Tensor:
         """[B, count] uniforms: each sampled row draws from its own seeded generator, in order,

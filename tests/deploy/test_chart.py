@@ -228,6 +228,15 @@ def test_gpu_limits_match_the_instance_group(rendered):
         assert engine["device"] == "cuda:0" and engine.get("device_map")
 
 
+def test_the_rendered_model_json_is_an_engine_config_exspec_loads(rendered):
+    """Every key the chart writes must be one the engine knows, with a value it accepts (the
+    big-target device_map included): a typo here would only show as a pod that never starts."""
+    from exspec import EngineConfig
+    _, engine = model_config(rendered[1])
+    config = EngineConfig.from_dict(engine)
+    assert config.device_map == engine.get("device_map")
+
+
 def test_every_metric_the_autoscalers_and_rules_use_is_exported_by_exspec(rendered):
     name, docs = rendered
     known = registry_series()
