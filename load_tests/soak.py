@@ -16,9 +16,11 @@ never imports locust.
 Afterwards it prints one table and writes <out>_soak.json: requests sent / completed /
 cancelled / rejected, requests that got no final response (a timeout or a stream that ended
 without one: must be 0), readiness polled every second throughout (must never fail), resident
-memory of tritonserver and of the model's stub at start, after warm-up and at the end (growth
-after warm-up must stay under 10%), and exspec:num_requests_running / waiting back to 0. Exits
-1 when a check fails.
+memory of tritonserver and of the model's stub (sampled every 5 s; the check compares like
+with like: the median under load in the minute after warm-up against the median in the last
+minute of load, growth under 10%; the table also gives start / after warm-up / idle at the end,
+and <out>_memory.png plots it), and exspec:num_requests_running / waiting back to 0. Exits 1
+when a check fails.
 """
 from __future__ import annotations
 
@@ -106,17 +108,25 @@ def scrape(metrics_url: str) -> dict:
 
 
 class ReadinessPoller(threading.Thread):
-    """GET /v2/health/ready and /v2/models/<model>/ready once a second; counts failures."""
+    """GET /v2/health/ready and /v2/models/<model>/ready once a second; counts failures. Also
+    samples resident memory every MEMORY_EVERY_S: (seconds since start, {server_mib, stub_mib})."""
 
-    def __init__(self, http_url: str, model: str):
+    MEMORY_EVERY_S = 5
+
+    def __init__(self, http_url: str, model: str, sample_memory):
         super().__init__(daemon=True)
         self.urls = [f"{http_url}/v2/health/ready", f"{http_url}/v2/models/{model}/ready"]
         self.polls = self.failures = 0
         self.first_failure: str | None = None
         self.stopping = threading.Event()
+        self.sample_memory = sample_memory
+        self.memory: list[tuple[float, dict]] = []
+        self.started = time.monotonic()
 
     def run(self):
         while not self.stopping.wait(1.0):
+            if self.polls % self.MEMORY_EVERY_S == 0:
+                self.memory.append((round(time.monotonic() - self.started, 1), self.sample_memory()))
             self.polls += 1
             for url in self.urls:
                 try:
@@ -212,7 +222,7 @@ def run(args) -> dict:
     with server:
         before = scrape(server.urls["metrics"])
         report["memory_start"] = memory(server, args.model)
-        poller = ReadinessPoller(server.urls["http"], args.model)
+        poller = ReadinessPoller(server.urls["http"], args.model, lambda: memory(server, args.model))
         poller.start()
         cmd = locust_command(args, server)
         print("$ " + " ".join(cmd), flush=True)
@@ -243,16 +253,56 @@ def run(args) -> dict:
         poller.join()
         report["ready_polls"], report["ready_failures"] = poller.polls, poller.failures
         report["ready_first_failure"] = poller.first_failure
+        report["memory_samples"] = poller.memory
+        report["memory_under_load"] = under_load_windows(poller.memory, warmup, args.duration)
         marker = str(server.work_dir)
     report["stubs_left"] = stub_pids(marker)
     report.update(tally(args.out))
     return report
 
 
+def under_load_windows(samples: list, warmup: float, duration: float, window: float = 60.0) -> dict:
+    """Median RSS in the window right after warm-up and in the last window of the load: the
+    like-for-like comparison (single samples swing with what is in flight at that moment)."""
+    def median_in(lo, hi, key):
+        values = sorted(m[key] for t, m in samples if lo <= t < hi)
+        return values[len(values) // 2] if values else None
+    window = min(window, max(5.0, (duration - warmup) / 3))
+    spans = {"after_warmup": (warmup, warmup + window), "last": (duration - window, duration)}
+    return {name: {key: median_in(lo, hi, key) for key in ("server_mib", "stub_mib")}
+            for name, (lo, hi) in spans.items()} | {"window_s": window}
+
+
+def plot_memory(r: dict, path: str) -> str | None:
+    """RSS over the run, one line per process, the windows shaded (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    samples = r["memory_samples"]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for key, label in (("stub_mib", "model stub (engine)"), ("server_mib", "tritonserver")):
+        ax.plot([t for t, _ in samples], [m[key] for _, m in samples], label=label)
+    w = r["memory_under_load"]["window_s"]
+    for lo in (r["warmup_s"], r["duration_s"] - w):
+        ax.axvspan(lo, lo + w, color="grey", alpha=0.15)
+    ax.set_xlabel("seconds since the server was up (shaded: compared windows)")
+    ax.set_ylabel("resident memory (MiB)")
+    ax.set_title(f"soak: {r['sent']} requests in {r['duration_s']:.0f} s")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def checks(r: dict) -> list[tuple[str, bool, str]]:
     def growth(key):
-        warm, end = r["memory_warm"][key], r["memory_end"][key]
-        return (end - warm) / warm if warm else 0.0
+        warm = r["memory_under_load"]["after_warmup"][key]
+        end = r["memory_under_load"]["last"][key]
+        return (end - warm) / warm if warm and end else 0.0
     return [
         ("every request got its final response (lost = 0)", r["lost"] == 0, f"lost {r['lost']}"),
         ("requests were served", r["completed"] > 0, f"completed {r['completed']}"),
@@ -264,9 +314,9 @@ def checks(r: dict) -> list[tuple[str, bool, str]]:
          f"{r['ready_failures']} of {r['ready_polls']} failed; first: {r['ready_first_failure']}"),
         ("running and waiting back to 0", r["running_end"] == 0 and r["waiting_end"] == 0,
          f"running {r['running_end']}, waiting {r['waiting_end']}"),
-        (f"server RSS growth after warm-up < {MAX_RSS_GROWTH:.0%}",
+        (f"server RSS growth under load, last window vs after warm-up < {MAX_RSS_GROWTH:.0%}",
          growth("server_mib") < MAX_RSS_GROWTH, f"{growth('server_mib'):+.1%}"),
-        (f"stub RSS growth after warm-up < {MAX_RSS_GROWTH:.0%}",
+        (f"stub RSS growth under load, last window vs after warm-up < {MAX_RSS_GROWTH:.0%}",
          growth("stub_mib") < MAX_RSS_GROWTH, f"{growth('stub_mib'):+.1%}"),
         ("no stub process left after shutdown", not r["stubs_left"], f"{r['stubs_left']}"),
     ]
@@ -274,6 +324,10 @@ def checks(r: dict) -> list[tuple[str, bool, str]]:
 
 def table(r: dict) -> str:
     mem = lambda k: " / ".join(f"{r[p][k]:.0f}" for p in ("memory_start", "memory_warm", "memory_end"))  # noqa: E731
+    w = r["memory_under_load"]["window_s"]
+    loaded = lambda k: " / ".join(  # noqa: E731
+        "n/a" if r["memory_under_load"][p][k] is None else f"{r['memory_under_load'][p][k]:.0f}"
+        for p in ("after_warmup", "last"))
     rows = [
         ("load", f"{r['duration_s']:.0f} s; {r['users_per_protocol']} gRPC-stream + "
                  f"{r['users_per_protocol']} HTTP-SSE users, {r['cancel_users_per_protocol']} + "
@@ -289,8 +343,10 @@ def table(r: dict) -> str:
         ("server outcomes (exspec:requests_total)",
          ", ".join(f"{k} {v:.0f}" for k, v in r["server_outcomes"].items())),
         ("readiness", f"{r['ready_polls'] - r['ready_failures']} / {r['ready_polls']} polls ready"),
-        ("tritonserver RSS MiB start / warm / end", mem("server_mib")),
-        ("stub RSS MiB start / warm / end", mem("stub_mib")),
+        ("tritonserver RSS MiB start / warm / end (idle)", mem("server_mib")),
+        ("stub RSS MiB start / warm / end (idle)", mem("stub_mib")),
+        (f"RSS MiB under load, median of {w:.0f} s after warm-up / of the last {w:.0f} s",
+         f"tritonserver {loaded('server_mib')}; stub {loaded('stub_mib')}"),
         ("running / waiting at the end", f"{r['running_end']:.0f} / {r['waiting_end']:.0f} "
                                          f"(idle {r['idle_after_s']} s after the load)"),
         ("stubs left after shutdown", len(r["stubs_left"])),
@@ -306,12 +362,13 @@ def main(argv=None) -> int:
     report["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in results]
     Path(f"{args.out}_soak.json").write_text(json.dumps(report, indent=1))
     print(table(report))
+    png = plot_memory(report, f"{args.out}_memory.png")
     for check, ok, detail in results:
         print(f"{'PASS' if ok else 'FAIL'}  {check}: {detail}")
     if report["failure_messages"]:
         print("locust failures:\n  " + "\n  ".join(report["failure_messages"]))
     print(f"report: {args.out}_soak.json, CSVs: {args.out}_stats.csv, log: "
-          f"{args.out}_tritonserver.log")
+          f"{args.out}_tritonserver.log" + (f", memory plot: {png}" if png else ""))
     return 0 if all(ok for _, ok, _ in results) else 1
 
 

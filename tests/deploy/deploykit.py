@@ -22,6 +22,7 @@ VALUES_FILES = ("cpu", "gpu", "multi-gpu", "big-target")
 KSERVE = REPO / "deploy" / "kserve"
 RELEASE, NAMESPACE = "exspec", "llm"
 sys.path.insert(0, str(REPO / "backend"))
+sys.path.insert(0, str(REPO / "client"))   # the shipped client (exspec_client), as users run it
 
 
 def missing(what: str, how: str):

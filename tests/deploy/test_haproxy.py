@@ -1,6 +1,7 @@
 """Two replicas on loopback behind HAProxy: a TCP (layer 4) balancer pins every stream of one
 client channel to one server; an HTTP/2-aware one spreads them stream by stream. This is why
-the README asks for an HTTP/2-aware ingress for gRPC, or client-side round robin."""
+the README asks for an HTTP/2-aware ingress for gRPC, or client-side round robin. The shipped
+client (exspec_client) opens one stream per generation and spreads behind the HTTP/2 one."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -145,3 +146,20 @@ def test_http2_balancer_spreads_one_channels_streams(replicas, haproxy):
     counts = streams_per_replica(replicas, haproxy["h2"])
     assert sum(counts) == STREAMS and min(counts) >= STREAMS // 4, \
         f"streams per replica through an HTTP/2 balancer: {counts}"
+
+
+@pytest.mark.parametrize("mode", ["h2", "tcp"])
+def test_the_shipped_clients_generations_spread(replicas, haproxy, mode):
+    """exspec_client.Client, as users call it: one Client, STREAMS generations in a row. Each
+    generation is its own stream (and its own channel), so even a TCP balancer, which pins a
+    connection, sees a new connection per generation."""
+    from exspec_client import Client
+    before = [served(s) for s in replicas]
+    client = Client(haproxy[mode], timeout_s=60)
+    for i in range(STREAMS):
+        result = client.generate(f"def f{i}(x):", max_tokens=4, ignore_eos=True)
+        assert len(result.token_ids) == 4, result
+    time.sleep(0.5)
+    counts = [int(served(s) - b) for s, b in zip(replicas, before)]
+    assert sum(counts) == STREAMS and min(counts) >= STREAMS // 4, \
+        f"the shipped client's generations per replica through {mode}: {counts}"
