@@ -14,6 +14,8 @@ row's valid entries to the right edge (EQSPEC's unpad, append, repad).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -159,7 +161,10 @@ class _RowWriteLayer(DynamicLayer):
 
     def __init__(self, owner: "SlotKV"):
         super().__init__()
-        self.owner = owner
+        # A weak reference: a strong one would make SlotKV <-> layer a cycle, which only the
+        # cyclic GC frees, so every finished group's buffers would outlive it (and a full
+        # collection costs ~0.2 s on a serving process).
+        self.owner = weakref.proxy(owner)
 
     def update(self, key_states, value_states, *args, **kwargs):
         owner = self.owner

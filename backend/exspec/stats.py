@@ -13,8 +13,10 @@ PHASES = ("schedule", "prefill", "draft", "verify", "realign", "step")
 
 
 class Stats:
-    def __init__(self, device: str):
-        self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    def __init__(self, devices):
+        """`devices`: every device the models use (a target spread by device_map has several)."""
+        gpus = [d for d in devices if torch.device(d).type == "cuda"]
+        self.sync = lambda: [torch.cuda.synchronize(d) for d in gpus]
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.steps_by_shape: dict[tuple[int, int], int] = {}   # (rows, k) -> steps
