@@ -219,7 +219,7 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             tag = False
             try:
-                parameters = json.loads(request.parameters() or "{}")
+                parameters = _request_parameters(request)
                 tag = bool(parameters.get(ERROR_CODE_TAG_PARAMETER, False))
                 if not self._intake_open:
                     raise EngineBusyError("this server is draining before it shuts down; "
@@ -553,6 +553,15 @@ def _drain_settings(model_config: dict) -> tuple[str | None, float]:
     if timeout < 0:
         raise ValueError(f"config.pbtxt parameter drain_timeout_s must be >= 0, got {timeout:g}")
     return params.get("drain_file", "").strip() or None, timeout
+
+
+def _request_parameters(request) -> dict:
+    """The request's parameters; Triton hands them over as JSON text, which fails to decode
+    when a client sent bytes that are not UTF-8 (found by the fuzz test)."""
+    try:
+        return json.loads(request.parameters() or "{}")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InvalidRequestError(f"request parameters are not valid UTF-8 JSON: {exc}") from None
 
 
 def _inputs(request) -> dict:

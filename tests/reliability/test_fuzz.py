@@ -286,3 +286,14 @@ def test_nan_and_inf_in_sampling_parameters_are_refused(rel_server):
                                  _dumps({"text_input": "hi", "sampling_parameters": _dumps(
                                      {"temperature": value})}).encode())
         assert status == 400 and b"temperature" in body, (value, status, body[:300])
+
+
+def test_parameters_that_are_not_utf8_are_invalid_arg(rel_server):
+    """Found by the 2000-case fuzz run: a body key that is a lone surrogate (bytes ED A0 80)
+    reaches the model as request parameters it cannot decode. A client error, said so."""
+    raw = b'{"text_input": "hi", "\xed\xa0\x80": 1}'
+    for endpoint in ("generate", "generate_stream"):
+        status, body = http_post(f"{rel_server.urls['http']}/v2/models/{MODEL}/{endpoint}", raw)
+        assert status == 400 and b"not valid UTF-8" in body, (endpoint, status, body[:300])
+    check_error(body.decode("utf-8", "replace"), raw)
+    assert "exspec: parsing failed" not in server_log(rel_server)
