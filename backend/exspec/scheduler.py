@@ -29,12 +29,18 @@ class AdaptiveK:
     step accepts a run of drafts and ends in at most one rejection. Step cost is an exponential
     moving average of measured step times per (batch-size bucket, k); a bucket not yet measured
     at some k borrows the nearest measured bucket's cost at that k (scaled by their plain-step
-    costs), and a k never measured anywhere is tried once, so the table fills itself.
-    Speculation is probed again after PROBE_EVERY plain steps, and twice as rarely each time
-    a probe leads back to plain decoding.
+    costs), a k measured nowhere is interpolated in k from the bucket's measured k's (each
+    extra draft token adds one draft forward and one verified column), and only a k that
+    cannot be estimated at all is tried blind, so the table fills itself.
+    Exploration is optimistic, not blind: a k not yet measured at this batch size counts
+    EXPLORE_BONUS better than its estimate, so a close contender is tried and a clearly worse
+    one (a costly draft at low acceptance) is not. Speculation is probed again after
+    PROBE_EVERY plain steps, at the k most likely to pay, and twice as rarely each time a probe
+    leads back to plain decoding.
     """
 
     GAIN_TO_SWITCH = 1.10   # hysteresis: change k only for a 10% better expected rate
+    EXPLORE_BONUS = 1.30    # optimism for a k not yet measured at this batch size
     PROBE_EVERY = 8         # plain steps before speculation is tried again (doubles up to 256)
     EMA = 0.2
     DECAY = 0.9             # of the pool-wide acceptance counts, per speculative step
@@ -64,7 +70,7 @@ class AdaptiveK:
             return self.step_time[here, k]
         measured = [b for (b, kk) in self.step_time if kk == k]
         if not measured:
-            return None
+            return self._interpolate(here, k)
         # Borrow from the nearest bucket that measured k, scaled by a k' both buckets measured
         # (step cost is far from linear in batch size, so never scale by the size ratio).
         for near in sorted(measured, key=lambda b: abs(b.bit_length() - here.bit_length())):
@@ -72,6 +78,16 @@ class AdaptiveK:
                 if b == here and (near, ref) in self.step_time:
                     return self.step_time[near, k] * t_here / self.step_time[near, ref]
         return self.step_time[min(measured, key=lambda b: abs(b.bit_length() - here.bit_length())), k]
+
+    def _interpolate(self, bucket: int, k: int) -> float | None:
+        """Linear in k through the two measured k's of this bucket nearest to k; None with
+        fewer than two."""
+        ks = sorted((kk for (b, kk) in self.step_time if b == bucket), key=lambda kk: abs(kk - k))
+        if len(ks) < 2:
+            return None
+        k1, k2 = sorted(ks[:2])
+        t1, t2 = self.step_time[bucket, k1], self.step_time[bucket, k2]
+        return max(t1 + (t2 - t1) * (k - k1) / (k2 - k1), min(t1, t2) * 0.5)
 
     def rate(self, batch: int, k: int, acceptance: float) -> float:
         cost = self.cost(batch, k)
@@ -83,16 +99,19 @@ class AdaptiveK:
         acceptance = group.acceptance(self.acceptance)
         batch = len(group)
         current = min(group.k if group.k is not None else cap, cap)
+        rates = {k: self.rate(batch, k, acceptance) for k in range(cap + 1)}
         if current == 0 and group.plain_steps_in_a_row >= self.probe_every:
             self.probe_every = min(2 * self.probe_every, 256)
-            return cap   # re-measure acceptance now and then, more rarely each time
-        rates = {k: self.rate(batch, k, acceptance) for k in range(cap + 1)}
-        # Local exploration: plain decoding and the neighbours of the current k are measured at
-        # this batch size once before their borrowed estimates are trusted over a measurement.
+            # re-measure acceptance now and then, more rarely each time, at the k most likely
+            # to pay (at low acceptance the cheapest probe, k = 1)
+            return max(range(1, cap + 1), key=rates.get)
+        # Local exploration: plain decoding and the neighbours of the current k are tried at
+        # this batch size when their estimates, taken optimistically, could beat a measurement.
         here = self.bucket(batch)
-        for k in {0, max(current - 1, 0), min(current + 1, cap)}:
-            if (here, k) not in self.step_time and (here, current) in self.step_time:
-                rates[k] = float("inf")
+        if (here, current) in self.step_time:
+            for k in {0, max(current - 1, 0), min(current + 1, cap)}:
+                if (here, k) not in self.step_time:
+                    rates[k] *= self.EXPLORE_BONUS
         best = max(rates, key=rates.get)
         choice = best if rates[best] > rates[current] * self.GAIN_TO_SWITCH else current
         if choice > 0 and current > 0:

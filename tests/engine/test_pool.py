@@ -232,8 +232,9 @@ def test_adaptive_k_hysteresis_and_fallback_to_plain():
     # hysteresis: a marginally better k does not make it switch
     ak.step_time[(8, 3)] = ak.step_time[(8, 2)] * ak.expected_tokens(0.6, 3) / ak.expected_tokens(0.6, 2) * 0.97
     assert ak.choose(G(8, 2, 0.6), 5) == 2
-    # after a long plain stretch it probes speculation again, then more rarely
-    assert ak.choose(G(8, 0, 0.05, plain=AdaptiveK.PROBE_EVERY), 5) == 5
+    # after a long plain stretch it probes speculation again, at the k most likely to pay
+    # (the cheapest, k = 1, at this acceptance), then more rarely
+    assert ak.choose(G(8, 0, 0.05, plain=AdaptiveK.PROBE_EVERY), 5) == 1
     assert ak.choose(G(8, 0, 0.05, plain=AdaptiveK.PROBE_EVERY), 5) == 0
     assert ak.probe_every == 2 * AdaptiveK.PROBE_EVERY
     # a batch size never measured borrows the nearest measured one's costs instead of
@@ -241,6 +242,34 @@ def test_adaptive_k_hysteresis_and_fallback_to_plain():
     for k in range(6):
         assert ak.cost(7, k) == ak.step_time[(8, k)] and ak.cost(13, k) is not None
     assert ak.choose(G(13, 5, 0.05), 5) == 0
+
+
+def test_adaptive_k_explores_close_contenders_only():
+    """A k never measured is interpolated from the measured ones; an unmeasured neighbour is
+    tried when its optimistic estimate could win, never when it is clearly worse (a draft as
+    costly as the target at low acceptance must not be probed k by k)."""
+    class G:
+        def __init__(self, n, k, acceptance):
+            self.n, self.k, self._a, self.plain_steps_in_a_row = n, k, acceptance, 0
+
+        def __len__(self):
+            return self.n
+
+        def acceptance(self, prior):
+            return self._a
+
+    costly = AdaptiveK(max_k=5)
+    costly.step_time[(1, 0)], costly.step_time[(1, 5)] = 1.0, 7.0    # draft ~ target
+    assert costly.cost(1, 2) == pytest.approx(3.4)                     # interpolated in k
+    assert costly.choose(G(1, 0, 0.3), 5) == 0                         # k = 1 not worth a try
+    cheap = AdaptiveK(max_k=5)
+    cheap.step_time[(1, 0)], cheap.step_time[(1, 5)] = 1.0, 1.6        # draft ~ 1/9 target
+    cheap.step_time[(1, 4)] = 1.48
+    assert cheap.choose(G(1, 5, 0.8), 5) == 5                          # measured best stays
+    del cheap.step_time[(1, 4)]
+    cheap.step_time[(1, 3)] = 1.36
+    # k = 4 unmeasured here but estimated close to k = 5: optimism tries it
+    assert cheap.choose(G(1, 5, 0.75), 5) == 4
 
 
 def test_scheduler_picks_starving_group_and_merges_equal_lengths():
