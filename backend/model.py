@@ -32,13 +32,14 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from exspec import EngineBusyError, EngineConfig, InvalidRequestError, RequestOutput
 from exspec.engine import LLMEngine
 from exspec_metrics import Metrics
 from exspec_request import ERROR_CODE_TAG_PARAMETER, FLAG_INPUTS, ParsedRequest, parse_request
+from exspec_responses import (FINAL, OUTPUTS, code_name, new_error, response, send_error,
+                              triton_error)
 
 MODEL_JSON = "model.json"
 PATH_KEYS = ("target_model", "draft_model", "tokenizer")
@@ -54,19 +55,6 @@ INPUTS = [
     {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     *({"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for name in FLAG_INPUTS),
 ]
-OUTPUTS = [
-    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": "output_ids", "data_type": "TYPE_INT64", "dims": [-1]},
-    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
-    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
-    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
-    {"name": "acceptance_rate", "data_type": "TYPE_FP32", "dims": [1]},
-    {"name": "total_accepted_draft_tokens", "data_type": "TYPE_INT32", "dims": [1]},
-    {"name": "total_draft_tokens", "data_type": "TYPE_INT32", "dims": [1]},
-]
-_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 @dataclass
@@ -230,12 +218,12 @@ class TritonPythonModel:
                                        self.engine.config.max_request_bytes)
             except (InvalidRequestError, EngineBusyError) as exc:
                 self.metrics.rejected()
-                _send_error(sender, _triton_error(exc, tag))
+                send_error(sender, triton_error(exc, tag))
                 continue
             except Exception as exc:  # a bug in parsing must still answer this request once
                 pb_utils.Logger.log_error(f"exspec: parsing failed: {traceback.format_exc()}")
                 self.metrics.rejected()
-                _send_error(sender, _triton_error(exc, tag))
+                send_error(sender, triton_error(exc, tag))
                 continue
             request_id = f"{next(self._ids)}:{request.request_id()}"
             stream = Stream(request_id, sender, parsed,
@@ -313,7 +301,7 @@ class TritonPythonModel:
             except Exception:
                 pb_utils.Logger.log_error(f"exspec: send path: {traceback.format_exc()}")
         for stream in list(self._streams.values()):   # nothing may end without a final flag
-            self._finish_with_error(stream, _error(
+            self._finish_with_error(stream, new_error(
                 "the model was unloaded before this request finished", "UNAVAILABLE"), "error")
         self.metrics.idle()
 
@@ -351,12 +339,12 @@ class TritonPythonModel:
         elif isinstance(item, _Register):
             self._streams[item.stream.request_id] = item.stream
             if self._dead:   # it passed execute's check just before the engine stopped
-                self._finish_with_error(item.stream, _triton_error(
+                self._finish_with_error(item.stream, triton_error(
                     EngineBusyError(self._dead), item.stream.tag_error_codes), "error")
         elif isinstance(item, _Reject):
             self.metrics.rejected()
             self._streams.pop(item.stream.request_id, None)
-            _send_error(item.stream.sender, _triton_error(item.error, item.stream.tag_error_codes))
+            send_error(item.stream.sender, triton_error(item.error, item.stream.tag_error_codes))
         elif isinstance(item, _Drain):
             if self._drain_deadline is None:
                 self._intake_open = False
@@ -372,12 +360,12 @@ class TritonPythonModel:
                                           "requests in flight")
                 self.metrics.engine_up.set(0)
             for stream in list(self._streams.values()):
-                self._finish_with_error(stream, _triton_error(
+                self._finish_with_error(stream, triton_error(
                     EngineBusyError(self._dead), stream.tag_error_codes), "error")
         elif isinstance(item, _StepFailed):
             for stream in list(self._streams.values()):
                 self.engine.abort(stream.request_id)
-                self._finish_with_error(stream, _error(
+                self._finish_with_error(stream, new_error(
                     f"engine step failed: {item.message}", "INTERNAL"), "error")
 
     def _drain_step(self):
@@ -412,7 +400,7 @@ class TritonPythonModel:
         if not out.finished:
             if stream.req.stream:
                 if out.new_token_ids:     # one response per step that committed tokens
-                    self._send(stream, self._response(stream, out, final=False), final=False)
+                    self._send(stream, response(stream, out, False, lambda: self._prompt_text(stream)), final=False)
             else:
                 stream.texts.append(out.text_delta)
                 stream.ids += out.new_token_ids
@@ -420,65 +408,27 @@ class TritonPythonModel:
             return
         if out.finish_reason == "abort" or out.finish_reason == "error":
             if stream.cancelled:
-                error, outcome = _error("request cancelled", "CANCELLED"), "cancelled"
+                error, outcome = new_error("request cancelled", "CANCELLED"), "cancelled"
             elif out.finish_reason == "abort":
                 why = (f"the server is shutting down and the drain deadline "
                        f"({self.drain_timeout_s:g} s) passed; retry on another server"
                        if stream.shutting_down else "aborted")
-                error, outcome = _error(f"request not completed: {why}", "UNAVAILABLE"), "abort"
+                error, outcome = new_error(f"request not completed: {why}", "UNAVAILABLE"), "abort"
             else:
                 pb_utils.Logger.log_error(f"exspec: request {stream.request_id} failed: {out.error}")
                 last_line = (out.error or "unknown error").strip().splitlines()[-1]
-                error, outcome = _error(f"generation failed: {last_line}", "INTERNAL"), "error"
+                error, outcome = new_error(f"generation failed: {last_line}", "INTERNAL"), "error"
             if stream.tag_error_codes:
-                error = _error(f"[{_code_name(error)}] {error.message()}", _code_name(error))
+                error = new_error(f"[{code_name(error)}] {error.message()}", code_name(error))
             self._finish_with_error(stream, error, outcome, out)
             return
         if not stream.req.stream:
             stream.texts.append(out.text_delta)
             stream.ids += out.new_token_ids
             stream.logprobs += out.new_logprobs or []
-        self._send(stream, self._response(stream, out, final=True), final=True)
+        self._send(stream, response(stream, out, True, lambda: self._prompt_text(stream)), final=True)
         self._streams.pop(stream.request_id, None)
         self._record_finished(stream, out.finish_reason, out)
-
-    def _response(self, stream: Stream, out: RequestOutput, final: bool):
-        req = stream.req
-        if req.stream:
-            text, ids, logprobs = out.text_delta, out.new_token_ids, out.new_logprobs or []
-            num_output = len(out.new_token_ids)
-        else:
-            text = "".join(stream.texts)
-            if req.prepend_prompt:
-                text = self._prompt_text(stream) + text
-            ids, logprobs, num_output = stream.ids, stream.logprobs, out.num_output_tokens
-        tensors = [
-            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int64)),
-            pb_utils.Tensor("acceptance_rate", np.array(
-                [out.num_accepted_draft_tokens / out.num_draft_tokens if out.num_draft_tokens else 0.0],
-                dtype=np.float32)),
-            pb_utils.Tensor("total_accepted_draft_tokens",
-                            np.array([out.num_accepted_draft_tokens], dtype=np.int32)),
-            pb_utils.Tensor("total_draft_tokens", np.array([out.num_draft_tokens], dtype=np.int32)),
-        ]
-        if req.return_finish_reason:
-            reason = out.finish_reason if final else "None"
-            tensors.append(pb_utils.Tensor("finish_reason",
-                                           np.array([str(reason).encode()], dtype=np.object_)))
-        if req.return_num_input_tokens:
-            tensors.append(pb_utils.Tensor("num_input_tokens",
-                                           np.array([out.num_prompt_tokens], dtype=np.uint32)))
-        if req.return_num_output_tokens:
-            tensors.append(pb_utils.Tensor("num_output_tokens",
-                                           np.array([num_output], dtype=np.uint32)))
-        if req.return_logprobs:
-            tensors.append(pb_utils.Tensor("logprobs", np.array(
-                [json.dumps([float(x) for x in logprobs]).encode()], dtype=np.object_)))
-        if req.return_cumulative_logprob:
-            tensors.append(pb_utils.Tensor("cumulative_logprob",
-                                           np.array([stream.cumulative_logprob], dtype=np.float32)))
-        return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def _prompt_text(self, stream: Stream) -> str:
         if stream.prompt_text is None:   # the prompt came as input_ids
@@ -487,7 +437,7 @@ class TritonPythonModel:
 
     def _send(self, stream: Stream, response, final: bool):
         try:
-            stream.sender.send(response, flags=_FINAL if final else 0)
+            stream.sender.send(response, flags=FINAL if final else 0)
         except Exception as exc:   # the client is gone; the request still ends here
             pb_utils.Logger.log_warn(f"exspec: send to {stream.request_id} failed: {exc}")
 
@@ -571,33 +521,3 @@ def _inputs(request) -> dict:
         if tensor is not None:
             out[spec["name"]] = tensor.as_numpy()
     return out
-
-
-def _error(message: str, code: str):
-    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code))
-
-
-def _code_name(error) -> str:
-    for name in ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL"):
-        if error.code() == getattr(pb_utils.TritonError, name):
-            return name
-    return "INTERNAL"
-
-
-def _triton_error(exc: Exception, tag: bool):
-    """The one place an exception becomes a Triton error: bad input is INVALID_ARG, a full
-    queue UNAVAILABLE, anything else INTERNAL."""
-    if isinstance(exc, InvalidRequestError):
-        code = "INVALID_ARG"
-    elif isinstance(exc, EngineBusyError):
-        code = "UNAVAILABLE"
-    else:
-        code = "INTERNAL"
-    return _error(f"[{code}] {exc}" if tag else str(exc), code)
-
-
-def _send_error(sender, error):
-    try:
-        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=_FINAL)
-    except Exception as send_exc:
-        pb_utils.Logger.log_warn(f"exspec: could not send an error response: {send_exc}")

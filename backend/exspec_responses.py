@@ -1,0 +1,96 @@
+"""What the exspec model sends: its output tensors (the I/O contract's outputs), one response
+built from an engine output, and the one place an exception becomes a Triton error."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from exspec import EngineBusyError, InvalidRequestError, RequestOutput
+
+OUTPUTS = [
+    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "output_ids", "data_type": "TYPE_INT64", "dims": [-1]},
+    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "acceptance_rate", "data_type": "TYPE_FP32", "dims": [1]},
+    {"name": "total_accepted_draft_tokens", "data_type": "TYPE_INT32", "dims": [1]},
+    {"name": "total_draft_tokens", "data_type": "TYPE_INT32", "dims": [1]},
+]
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def response(stream, out: RequestOutput, final: bool, prompt_text):
+    """One response for `stream` (the adapter's per-request state) from an engine output:
+    this step's delta when streaming, else the whole text so far. `prompt_text()` gives the
+    prompt for prepend_prompt (decoded only when asked)."""
+    req = stream.req
+    if req.stream:
+        text, ids, logprobs = out.text_delta, out.new_token_ids, out.new_logprobs or []
+        num_output = len(out.new_token_ids)
+    else:
+        text = "".join(stream.texts)
+        if req.prepend_prompt:
+            text = prompt_text() + text
+        ids, logprobs, num_output = stream.ids, stream.logprobs, out.num_output_tokens
+    tensors = [
+        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int64)),
+        pb_utils.Tensor("acceptance_rate", np.array(
+            [out.num_accepted_draft_tokens / out.num_draft_tokens if out.num_draft_tokens else 0.0],
+            dtype=np.float32)),
+        pb_utils.Tensor("total_accepted_draft_tokens",
+                        np.array([out.num_accepted_draft_tokens], dtype=np.int32)),
+        pb_utils.Tensor("total_draft_tokens", np.array([out.num_draft_tokens], dtype=np.int32)),
+    ]
+    if req.return_finish_reason:
+        reason = out.finish_reason if final else "None"
+        tensors.append(pb_utils.Tensor("finish_reason",
+                                       np.array([str(reason).encode()], dtype=np.object_)))
+    if req.return_num_input_tokens:
+        tensors.append(pb_utils.Tensor("num_input_tokens",
+                                       np.array([out.num_prompt_tokens], dtype=np.uint32)))
+    if req.return_num_output_tokens:
+        tensors.append(pb_utils.Tensor("num_output_tokens",
+                                       np.array([num_output], dtype=np.uint32)))
+    if req.return_logprobs:
+        tensors.append(pb_utils.Tensor("logprobs", np.array(
+            [json.dumps([float(x) for x in logprobs]).encode()], dtype=np.object_)))
+    if req.return_cumulative_logprob:
+        tensors.append(pb_utils.Tensor("cumulative_logprob",
+                                       np.array([stream.cumulative_logprob], dtype=np.float32)))
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def new_error(message: str, code: str):
+    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code))
+
+
+def code_name(error) -> str:
+    for name in ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL"):
+        if error.code() == getattr(pb_utils.TritonError, name):
+            return name
+    return "INTERNAL"
+
+
+def triton_error(exc: Exception, tag: bool):
+    """The one place an exception becomes a Triton error: bad input is INVALID_ARG, a full
+    queue UNAVAILABLE, anything else INTERNAL."""
+    if isinstance(exc, InvalidRequestError):
+        code = "INVALID_ARG"
+    elif isinstance(exc, EngineBusyError):
+        code = "UNAVAILABLE"
+    else:
+        code = "INTERNAL"
+    return new_error(f"[{code}] {exc}" if tag else str(exc), code)
+
+
+def send_error(sender, err):
+    try:
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=err), flags=FINAL)
+    except Exception as send_exc:
+        pb_utils.Logger.log_warn(f"exspec: could not send an error response: {send_exc}")
