@@ -400,7 +400,7 @@ class TritonPythonModel:
         if not out.finished:
             if stream.req.stream:
                 if out.new_token_ids:     # one response per step that committed tokens
-                    self._send(stream, response(stream, out, False, lambda: self._prompt_text(stream)), final=False)
+                    self._respond(stream, out, final=False)
             else:
                 stream.texts.append(out.text_delta)
                 stream.ids += out.new_token_ids
@@ -426,9 +426,12 @@ class TritonPythonModel:
             stream.texts.append(out.text_delta)
             stream.ids += out.new_token_ids
             stream.logprobs += out.new_logprobs or []
-        self._send(stream, response(stream, out, True, lambda: self._prompt_text(stream)), final=True)
+        self._respond(stream, out, final=True)
         self._streams.pop(stream.request_id, None)
         self._record_finished(stream, out.finish_reason, out)
+
+    def _respond(self, stream: Stream, out: RequestOutput, final: bool):
+        self._send(stream, response(stream, out, final, lambda: self._prompt_text(stream)), final)
 
     def _prompt_text(self, stream: Stream) -> str:
         if stream.prompt_text is None:   # the prompt came as input_ids
