@@ -98,7 +98,8 @@ class LLMEngine:
             raise InvalidRequestError(f"max_tokens {max_tokens} exceeds the server limit of "
                                       f"{self.config.max_output_tokens}")
         seq = Sequence(request_id, prompt_ids, params, max_tokens, self.max_model_len,
-                       self.eos_ids, Detokenizer(self.tokenizer, params.stop), self.config.seed)
+                       self.eos_ids, Detokenizer(self.tokenizer, params.stop, start=len(prompt_ids)),
+                       self.config.seed)
         with self._lock:
             if request_id in self._live_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in flight")

@@ -79,14 +79,14 @@ class Sequence:
                 self.logprobs.append(logprobs[i])
             if token in self.stop_ids:
                 self.finish_reason = "stop"
-            elif check_text and self.detokenizer.update(self.output_ids):
+            elif check_text and self.detokenizer.update(self.tokens):
                 self.finish_reason = "stop"   # a stop string matched; later tokens are dropped
             elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
                 self.finish_reason = "length"
             if self.finished:
                 break
         if not check_text or self.finished:
-            self.detokenizer.update(self.output_ids)
+            self.detokenizer.update(self.tokens)
         return committed
 
     def observe_acceptance(self, accepted: int, proposed: int, decay: float = 0.8) -> None:

@@ -79,6 +79,33 @@ def test_detokenizer_holds_back_partial_characters_and_stop_prefixes():
     assert "".join(pieces) == "ab 日本語🚀 cd "
 
 
+def test_incremental_detokenizer_equals_a_full_decode_at_every_step():
+    """The detokenizer decodes a short window per update, not the whole output: its text must
+    still equal a full decode after every step (random ids: broken characters, merges and
+    special tokens included), and a stop string must cut at its first occurrence."""
+    import random
+    from exspec.detokenizer import Detokenizer
+    tok = build_tokenizer()
+    rng = random.Random(5)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True,   # noqa: E731
+                                    clean_up_tokenization_spaces=False)
+    for trial in range(200):
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 6))]
+        output = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 80))]
+        stop = [decode(output[-3:])[:2]] if trial % 2 and decode(output[-3:])[:2] else []
+        detok, tokens = Detokenizer(tok, stop, start=len(prompt)), list(prompt)
+        while len(tokens) < len(prompt) + len(output):
+            n = rng.randint(1, 6)
+            tokens += output[len(tokens) - len(prompt):][:n]
+            full = decode(tokens[len(prompt):])
+            first = min((i for i in (full.find(s) for s in stop) if i >= 0), default=-1)
+            stopped = detok.update(tokens)
+            assert stopped == (first >= 0), (trial, full, stop)
+            assert detok.text == (full[:first] if stopped else full), (trial, detok.text, full)
+            if stopped:
+                break
+
+
 def _bytes_to_ids(tok, data: bytes) -> list[int]:
     """One token per byte (byte-level BPE has all 256 byte tokens)."""
     return [tok.convert_tokens_to_ids(_byte_char(b)) for b in data]
