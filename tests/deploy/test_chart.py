@@ -3,7 +3,6 @@ that break the schema, validate every object against two Kubernetes versions' sc
 check that the objects agree with each other and with the exspec code."""
 from __future__ import annotations
 
-import math
 import re
 
 import pytest
@@ -233,8 +232,7 @@ def test_the_rendered_model_json_is_an_engine_config_exspec_loads(rendered):
     big-target device_map included): a typo here would only show as a pod that never starts."""
     from exspec import EngineConfig
     _, engine = model_config(rendered[1])
-    config = EngineConfig.from_dict(engine)
-    assert config.device_map == engine.get("device_map")
+    EngineConfig.from_dict(engine)   # raises on an unknown key or a refused value
 
 
 def test_every_metric_the_autoscalers_and_rules_use_is_exported_by_exspec(rendered):
@@ -306,7 +304,6 @@ def test_kserve_runtime_and_service_agree():
     assert int(gpus) == 1
     readme = (KSERVE / "README.md").read_text()
     drain = float(re.search(r'"drain_timeout_s", value: \{ string_value: "(\d+)"', readme).group(1))
-    assert drain + 5 <= sleep + int(args["exit-timeout-secs"])
+    assert 0 < drain and drain + 5 <= sleep + int(args["exit-timeout-secs"])
     assert "/dev/shm/exspec-drain" in readme and "touch /dev/shm/exspec-drain" in \
         c["lifecycle"]["preStop"]["exec"]["command"][2]
-    assert math.isfinite(drain)

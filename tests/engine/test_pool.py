@@ -48,16 +48,21 @@ def test_random_arrivals_and_aborts(pairs, reference, monkeypatch, method):
 
     rng = random.Random(7)
     prompts = make_prompts(320, pairs["llama", "eos"], seed=21, count=24)
-    arrivals = {}
+    arrivals, arrived_at = {}, {}
     for i, p in enumerate(prompts):
-        arrivals.setdefault(rng.randint(0, 30), []).append((f"r{i}", p))
-    victims = rng.sample(range(24), 6)
-    aborts = {rng.randint(0, 35): [f"r{i}"] for i in victims}
+        arrived_at[f"r{i}"] = tick = rng.randint(0, 30)
+        arrivals.setdefault(tick, []).append((f"r{i}", p))
+    victims = [f"r{i}" for i in rng.sample(range(24), 6)]
+    aborts = {}   # 0-3 ticks after arrival: waiting, just prefilled or mid-generation
+    for rid in victims:
+        aborts.setdefault(arrived_at[rid] + rng.randint(0, 3), []).append(rid)
     engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=4, max_num_seqs=8,
                          adaptive_k=True, max_skipped_ticks=4)
     outputs, finished, aborted_at = run_schedule(engine, arrivals, aborts,
                                                  SamplingParams(max_tokens=24))
     assert set(finished) == {f"r{i}" for i in range(24)}, "every request ends exactly once"
+    aborted = [rid for rid in victims if finished[rid].finish_reason == "abort"]
+    assert len(aborted) >= 5, f"only {aborted} of {victims} were aborted"
     for i, prompt in enumerate(prompts):
         rid = f"r{i}"
         tokens = [t for o in outputs[rid] for t in o.new_token_ids]

@@ -145,7 +145,10 @@ def test_bad_requests_get_clear_errors(pairs):
     engine.add_request("e", [1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError, match="already in flight"):
         engine.add_request("e", [1, 2], SamplingParams())
-    assert not engine.stats()["pool_seqs"]
+    # only "e" was taken (the refused requests left nothing behind), and it is served
+    assert engine.stats()["queue_len"] == 1
+    outs = engine.generate([[3, 4]], SamplingParams(max_tokens=2))
+    assert len(outs[0].token_ids) == 2 and not engine.has_unfinished()
 
 
 def test_bad_engine_configs_get_clear_errors(pairs, tmp_path):

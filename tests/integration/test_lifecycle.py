@@ -77,6 +77,7 @@ def test_full_queue_refuses_with_busy_and_serves_the_rest(server):
     for c in busy:
         assert len(c.responses) == 1 and c.responses[0].final
         assert "busy" in c.responses[0].error, c.responses[0].error
+    assert served, "every request was refused: the pool and the queue serve none"
     for c in served:
         assert len(c.ids()) == 120 and sum(r.final for r in c.responses) == 1
 
