@@ -11,6 +11,7 @@ from deploykit import deep_merge, load_values, need_module, one, render
 
 LONGEST_STREAM_S = 10     # the drain deadline in this pod: long enough for a loaded CI machine
 PRE_STOP_S = 2
+TICK_DELAY_S = 0.03       # 3900 tokens take >= 23 s even if every draft is accepted (k = 5)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,10 @@ def pair(tmp_path_factory):
 @pytest.fixture(scope="module")
 def docs(pair):
     from pods import pod_values
-    values = deep_merge(load_values("cpu"), pod_values(pair))
+    # Ticks of at least TICK_DELAY_S: the "long" stream must outlast the drain deadline however
+    # fast the engine gets (it once finished 3900 tokens in under 10 s and the test broke).
+    values = deep_merge(load_values("cpu"), pod_values(
+        pair, fault_injection={"tick_delay_s": TICK_DELAY_S}))
     values = deep_merge(values, {"longestStreamSeconds": LONGEST_STREAM_S,
                                  "drain": {"preStopSeconds": PRE_STOP_S}})
     return render(values)
