@@ -165,16 +165,22 @@ class TritonServer:
         return self
 
     def _wait_ready(self) -> None:
+        """Ready = models ready and the metrics port answering: Triton starts its metrics
+        service just after the HTTP one, so a scrape right after /v2/health/ready could be
+        refused (seen in CI)."""
         deadline = time.monotonic() + self.startup_timeout_s
-        url = self.urls["http"] + "/v2/health/ready"
+        waiting = [self.urls["http"] + "/v2/health/ready", self.urls["metrics"]]
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServerNotReady(f"tritonserver exited with code {self.process.returncode} "
                                      f"before it was ready; log tail:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(url, timeout=2) as response:
+                with urllib.request.urlopen(waiting[0], timeout=2) as response:
                     if response.status == 200:
-                        return
+                        waiting.pop(0)
+                        if not waiting:
+                            return
+                        continue
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
             time.sleep(0.25)

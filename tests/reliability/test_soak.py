@@ -24,8 +24,10 @@ def test_short_soak_loses_no_request_and_returns_to_idle(tmp_path):
                            str(DURATION_S), "--users", "2", "--request-timeout", "90",
                            "--out", str(prefix)], capture_output=True, text=True,
                           timeout=DURATION_S + 400)
-    log = f"{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
-    report = json.loads(Path(f"{prefix}_soak.json").read_text())
+    log = f"{done.stdout[-4000:]}\n{done.stderr[-3000:]}"
+    report_path = Path(f"{prefix}_soak.json")
+    assert report_path.exists(), f"the soak ended (exit {done.returncode}) without a report:\n{log}"
+    report = json.loads(report_path.read_text())
     print("\n" + "\n".join(line for line in done.stdout.splitlines() if line.startswith(("|", "PASS", "FAIL"))))
     failed = [c for c in report["checks"] if not c["ok"] and "RSS growth" not in c["check"]]
     assert not failed, f"soak checks failed: {failed}\n{log}"
