@@ -32,7 +32,7 @@ RUN python3 -m pip install --index-url ${TORCH_INDEX_URL} torch==2.13.0 && \
 COPY pyproject.toml README.md ./
 COPY backend/ backend/
 RUN python3 -m pip install --no-deps . && \
-    python3 -m exspec.install_backend --tritonserver /opt/tritonserver \
+    python3 -m exspec.serving.install --tritonserver /opt/tritonserver \
         --backends-dir /opt/tritonserver/backends --source /opt/exspec/backend && \
     python3 -c "import torch, transformers, exspec; print('torch', torch.__version__, \
 'transformers', transformers.__version__)"

@@ -28,8 +28,8 @@ test-engine: venv
 # The engine side by side with the target alone, then the same engine in a real tritonserver:
 # one gRPC stream, one curl generate_stream, one unary infer, and the server stopped.
 demo: venv
-	$(BIN)/python -m exspec.demo
-	$(BIN)/python -m exspec.demo_triton
+	$(BIN)/python -m exspec.demo.engine
+	$(BIN)/python -m exspec.demo.server
 
 # A real tritonserver on model_repository/ (ports 8000/8001/8002); Ctrl-C stops it.
 serve: venv

@@ -76,7 +76,7 @@ def rss_kib(pid: int) -> int | None:
 
 def memory(server, model: str) -> dict:
     """RSS in MiB of tritonserver and of the stubs serving `model` (its engine lives there)."""
-    from exspec.serve import stub_pids   # importable once run() has put backend/ on the path
+    from exspec.serving.launcher import stub_pids   # importable once run() has put backend/ on the path
     stubs = [p for p in stub_pids(str(server.work_dir)) if f" {model}_0_" in _cmdline(p)]
     return {"server_mib": (rss_kib(server.process.pid) or 0) / 1024,
             "stub_mib": sum(rss_kib(p) or 0 for p in stubs) / 1024}
@@ -207,7 +207,7 @@ def wait_idle(metrics_url: str, timeout_s: float = 60.0) -> tuple[dict, float | 
 def run(args) -> dict:
     import subprocess
     sys.path.insert(0, str(REPO / "backend"))
-    from exspec.serve import TritonServer, stub_pids
+    from exspec.serving.launcher import TritonServer, stub_pids
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from exspec.bench import main  # noqa: E402
-from exspec.tiny import build_demo_pair  # noqa: E402
+from exspec.demo.tiny import build_demo_pair  # noqa: E402
 
 NUMBER = (int, float)
 CELL_SCHEMA = {   # key: (allowed types, may be null)

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from deploykit import REPO, one
 
-from exspec.install_backend import find_tritonserver, install
-from exspec.serve import free_ports, stub_environment
-from exspec.tiny import build_tokenizer, llama, noisy_copy, save_pair
+from exspec.serving.install import find_tritonserver, install
+from exspec.serving.launcher import stub_environment
+from exspec.serving.ports import reserve_ports
+from exspec.demo.tiny import build_tokenizer, llama, noisy_copy, save_pair
 
 
 def build_pair(out: Path) -> Path:
@@ -37,8 +38,10 @@ class SimulatedPod:
         (self.container,) = self.spec["containers"]
         self.root = root
         self.mounts: dict[str, Path] = {}       # container path -> host path
+        # Held until the pod's startup probe passes (its server has bound them by then).
+        self._reservation = reserve_ports(len(self.container["ports"]))
         self.ports = {p["containerPort"]: port for p, port in
-                      zip(self.container["ports"], free_ports(len(self.container["ports"])))}
+                      zip(self.container["ports"], self._reservation.ports)}
         self.named_ports = {p["name"]: self.ports[p["containerPort"]] for p in self.container["ports"]}
         self._lay_out(docs, model_store)
         self.process: subprocess.Popen | None = None
@@ -136,6 +139,7 @@ class SimulatedPod:
             if self.process.poll() is not None:
                 raise AssertionError(f"tritonserver exited ({self.process.returncode}):\n{self.log_tail()}")
             if self.probe("startupProbe"):
+                self._reservation.release()
                 return time.monotonic() - self.started
             time.sleep(0.25)
         raise AssertionError(f"startup probe failed for {budget} s:\n{self.log_tail()}")
@@ -149,6 +153,7 @@ class SimulatedPod:
         self.process.send_signal(signal.SIGTERM)   # PID 1 only, as the kubelet does
 
     def stop(self):
+        self._reservation.release()
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)

@@ -35,7 +35,7 @@ def build_repository(root, pair):
 def replicas(tmp_path_factory):
     need_binary("haproxy")
     need_module("tritonclient.grpc")
-    from exspec.serve import TritonServer
+    from exspec.serving.launcher import TritonServer
     from pods import build_pair
     root = tmp_path_factory.mktemp("replicas")
     models = build_repository(root, build_pair(root / "pair"))
@@ -53,9 +53,10 @@ def replicas(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def haproxy(replicas, tmp_path_factory):
-    from exspec.serve import free_ports
+    from exspec.serving.ports import reserve_ports
     binary = need_binary("haproxy")
-    tcp_port, h2_port = free_ports(2)
+    reservation = reserve_ports(2, host="127.0.0.1")   # held until haproxy listens on both
+    tcp_port, h2_port = reservation.ports
     backends = [s.urls["grpc"] for s in replicas]
     config = tmp_path_factory.mktemp("haproxy") / "haproxy.cfg"
     config.write_text(f"""
@@ -93,8 +94,10 @@ backend replicas_h2
     try:
         for port in (tcp_port, h2_port):
             wait_listening(port, process)
+        reservation.release()
         yield {"tcp": f"127.0.0.1:{tcp_port}", "h2": f"127.0.0.1:{h2_port}"}
     finally:
+        reservation.release()
         process.terminate()
         process.wait(10)
 

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from exspec import EngineConfig, LLMEngine
-from exspec.tiny import build_tokenizer, gpt2, llama, noisy_copy
+from exspec.demo.tiny import build_tokenizer, gpt2, llama, noisy_copy
 
 GPT2_MAX_POS = 128
 

@@ -2,7 +2,7 @@
 import pytest
 
 from exspec import EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams
-from exspec.tiny import build_tokenizer, llama
+from exspec.demo.tiny import build_tokenizer, llama
 
 from conftest import make_engine, make_prompts
 

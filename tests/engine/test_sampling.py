@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 import exspec.sampler
 from exspec import EngineConfig, LLMEngine, SamplingParams
 from exspec.sampler import RowSampling, probs_from_logits
-from exspec.tiny import llama
+from exspec.demo.tiny import llama
 
 VOCAB, SAMPLES = 12, 20_000
 PARAMS = dict(temperature=0.7, top_k=9, top_p=0.95)

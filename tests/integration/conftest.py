@@ -1,6 +1,6 @@
 """One real tritonserver for the integration suite, started through the launcher on free ports.
 
-The model repository is built in a temporary folder from tiny seeded model pairs (exspec.tiny)
+The model repository is built in a temporary folder from tiny seeded model pairs (exspec.demo.tiny)
 and the repository's own config files, and serves three models from one server:
 
 - exspec         random Llama target + noisy draft, method exspec (the parity model), and
@@ -29,8 +29,8 @@ pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip inst
 
 import torch  # noqa: E402
 
-from exspec.serve import TritonServer  # noqa: E402
-from exspec.tiny import build_tokenizer, gpt2, llama, noisy_copy, save_pair  # noqa: E402
+from exspec.serving.launcher import TritonServer  # noqa: E402
+from exspec.demo.tiny import build_tokenizer, gpt2, llama, noisy_copy, save_pair  # noqa: E402
 from modelrepo import copy_unary, write_model  # noqa: E402,F401  (tests/modelrepo.py)
 
 SCRIPT = "日本語🚀 STOP here.ü"   # the scripted model's greedy output cycles through this

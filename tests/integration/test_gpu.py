@@ -13,8 +13,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from exspec.serve import TritonServer  # noqa: E402
-from exspec.tiny import build_tokenizer, llama, noisy_copy, save_pair  # noqa: E402
+from exspec.serving.launcher import TritonServer  # noqa: E402
+from exspec.demo.tiny import build_tokenizer, llama, noisy_copy, save_pair  # noqa: E402
 
 PROMPTS = ["def add(a, b):", "hello", "The quick brown fox jumps over the lazy"]
 

@@ -1,4 +1,4 @@
-"""One real tritonserver for the client and load tests: the tiny seeded Llama pair (exspec.tiny)
+"""One real tritonserver for the client and load tests: the tiny seeded Llama pair (exspec.demo.tiny)
 as model `exspec`, plus the repository's BLS front model `exspec_unary`, started through the
 launcher on free loopback ports. Metric helpers come from the integration suite's conftest."""
 from __future__ import annotations
@@ -17,8 +17,8 @@ sys.path.insert(0, str(REPO / "client"))
 
 pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install -e '.[serve]'")
 
-from exspec.serve import TritonServer  # noqa: E402
-from exspec.tiny import build_tokenizer, llama, noisy_copy, save_pair  # noqa: E402
+from exspec.serving.launcher import TritonServer  # noqa: E402
+from exspec.demo.tiny import build_tokenizer, llama, noisy_copy, save_pair  # noqa: E402
 from modelrepo import copy_unary, write_model  # noqa: E402,F401  (tests/modelrepo.py)
 
 

@@ -1,6 +1,6 @@
 """One real tritonserver for the reliability suite, started through the launcher on free ports.
 
-Its repository serves one tiny seeded Llama pair (exspec.tiny) under four model.json settings,
+Its repository serves one tiny seeded Llama pair (exspec.demo.tiny) under four model.json settings,
 each its own stub process, so a fault in one model leaves the others alone:
 
 - limits     small, explicit limits (prompt tokens, max_tokens, pool, queue): the limit tests,
@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 pytest.importorskip("tritonclient.grpc", reason="needs the serve extra: pip install -e '.[serve]'")
 
-from exspec.serve import TritonServer, stub_pids  # noqa: E402,F401  (stub_pids: for the tests)
-from exspec.tiny import build_tokenizer, llama, noisy_copy, save_pair  # noqa: E402
+from exspec.serving.launcher import TritonServer, stub_pids  # noqa: E402,F401  (stub_pids: for the tests)
+from exspec.demo.tiny import build_tokenizer, llama, noisy_copy, save_pair  # noqa: E402
 from modelrepo import copy_unary, write_model  # noqa: E402,F401  (tests/modelrepo.py)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import clients, scrape, stub_pids, wait_for, wait_gone, write_model
 
-from exspec.serve import TritonServer
+from exspec.serving.launcher import TritonServer
 
 EXIT_TIMEOUT_S = 5
 ENGINE = {"method": "exspec", "num_speculative_tokens": 4, "max_batch_size": 4, "max_num_seqs": 16,

@@ -7,7 +7,7 @@
 Prints the URLs once every model is ready (and writes them as JSON to --ready-file), exits
 non-zero with the log's tail when the server is not ready in time, and stops the server cleanly
 on Ctrl-C / SIGTERM. Tests use `TritonServer` as a context manager. This module never imports
-Triton: it copies files (exspec.install_backend) and runs a process.
+Triton: it copies files (exspec.serving.install) and runs a process.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -26,33 +25,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .install_backend import TritonDist, find_tritonserver, install
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports the kernel hands out as free right now (all held open together, so distinct)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def ports_in_use(ports) -> list[int]:
-    """Those of `ports` something already listens on (tritonserver binds 0.0.0.0)."""
-    busy = []
-    for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                busy.append(port)
-    return busy
+from .install import TritonDist, find_tritonserver, install
+from .ports import PortReservation, ports_in_use, reserve_ports
 
 
 def stub_environment(base: dict | None = None, dist: TritonDist | None = None) -> dict:
@@ -81,12 +55,18 @@ class PortInUse(ServerNotReady):
     """A port we were asked to serve on is taken before tritonserver starts."""
 
 
+class PortTaken(PortInUse):
+    """tritonserver could not bind a port that was free when it was chosen."""
+
+
 class TritonServer:
     """One tritonserver process serving a model repository with the exspec backend installed.
 
         with TritonServer("model_repository", free_ports=True) as server:
             server.urls["http"]   # http://127.0.0.1:PORT
     """
+
+    PORT_ATTEMPTS = 3
 
     def __init__(self, model_repository: str | os.PathLike, *, http_port: int = 8000,
                  grpc_port: int = 8001, metrics_port: int = 8002, free_ports: bool = False,
@@ -108,6 +88,7 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._log_file = None
+        self._launched_at = 0
 
     # -- URLs --------------------------------------------------------------------------------
     @property
@@ -128,16 +109,49 @@ class TritonServer:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         backends = install(self.work_dir / "backends", dist,
                            **({"source": self.backend_source} if self.backend_source else {}))
+        if self.log_path is None:
+            self.log_path = self.work_dir / "tritonserver.log"
+        # Ports we chose can still be taken by a process that uses no reservation between our
+        # check and tritonserver's bind; then choose again (bounded). Given ports are the
+        # caller's: a clash is their error.
+        attempts = self.PORT_ATTEMPTS if self.use_free_ports else 1
+        for attempt in range(1, attempts + 1):
+            reservation = self._claim_ports()
+            try:
+                self._launch(dist, backends)
+                self._wait_ready()
+                break
+            except PortTaken:
+                self.stop()
+                if attempt == attempts:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+            finally:
+                reservation.release()   # bound by now, or given up
+        if self.ready_file:
+            self.ready_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.ready_file.with_suffix(self.ready_file.suffix + ".tmp")
+            tmp.write_text(json.dumps({**self.urls, "pid": self.process.pid,
+                                       "log": str(self.log_path)}))
+            tmp.replace(self.ready_file)   # readers never see a half-written file
+        return self
+
+    def _claim_ports(self) -> PortReservation:
         if self.use_free_ports:
-            self.ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
+            reservation = reserve_ports(3)
+            self.ports = dict(zip(("http", "grpc", "metrics"), reservation.ports))
+            return reservation
         busy = ports_in_use(self.ports.values())
         if busy:   # else another server could answer our readiness probe
             raise PortInUse(f"port(s) {', '.join(map(str, busy))} already in use; stop the "
                             "other server, choose other ports, or pass --free-ports")
-        if self.log_path is None:
-            self.log_path = self.work_dir / "tritonserver.log"
-        self._log_file = open(self.log_path, "ab")
+        return PortReservation([], [])
 
+    def _launch(self, dist: TritonDist, backends: Path) -> None:
+        self._log_file = open(self.log_path, "ab")
+        self._launched_at = self._log_file.tell()    # this attempt's lines start here
         cmd = [str(dist.binary), f"--model-repository={self.model_repository}",
                f"--backend-directory={backends}",
                f"--http-port={self.ports['http']}", f"--grpc-port={self.ports['grpc']}",
@@ -151,18 +165,6 @@ class TritonServer:
                                         stderr=subprocess.STDOUT, start_new_session=True)
         if self.echo_log:
             threading.Thread(target=self._echo, daemon=True).start()
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        if self.ready_file:
-            self.ready_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.ready_file.with_suffix(self.ready_file.suffix + ".tmp")
-            tmp.write_text(json.dumps({**self.urls, "pid": self.process.pid,
-                                       "log": str(self.log_path)}))
-            tmp.replace(self.ready_file)   # readers never see a half-written file
-        return self
 
     def _wait_ready(self) -> None:
         """Ready = models ready and the metrics port answering: Triton starts its metrics
@@ -172,8 +174,14 @@ class TritonServer:
         waiting = [self.urls["http"] + "/v2/health/ready", self.urls["metrics"]]
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                tail = self.log_tail()
+                with open(self.log_path, "rb") as log:
+                    log.seek(self._launched_at)
+                    this_attempt = log.read().decode(errors="replace")
+                if "already in use" in this_attempt:   # "Socket '0.0.0.0:N' already in use"
+                    raise PortTaken(f"a port was taken before tritonserver bound it:\n{tail}")
                 raise ServerNotReady(f"tritonserver exited with code {self.process.returncode} "
-                                     f"before it was ready; log tail:\n{self.log_tail()}")
+                                     f"before it was ready; log tail:\n{tail}")
             try:
                 with urllib.request.urlopen(waiting[0], timeout=2) as response:
                     if response.status == 200:

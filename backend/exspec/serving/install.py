@@ -11,7 +11,7 @@ Triton finds no libtriton_exspec.so in <backends>/exspec, sees model.py, and run
 Python backend: a "Python-based backend", like Triton's vLLM backend. This module only copies
 files; it never imports Triton.
 
-    python -m exspec.install_backend --backends-dir /opt/tritonserver/backends
+    python -m exspec.serving.install --backends-dir /opt/tritonserver/backends
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ BACKEND_NAME = "exspec"
 STUB = "triton_python_backend_stub"
 PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 # backend/ holds model.py and its helpers; the engine package sits inside it.
-DEFAULT_SOURCE = Path(__file__).resolve().parent.parent
+DEFAULT_SOURCE = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def install(backends_dir: str | os.PathLike, dist: TritonDist | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m exspec.install_backend", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m exspec.serving.install", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends-dir", required=True,
                         help="folder to lay out (Triton's --backend-directory)")

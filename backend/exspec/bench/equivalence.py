@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from .bench_methods import CellKey, HFModels, Run
+from .methods import CellKey, HFModels, Run
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,4 +1,4 @@
-"""`python -m exspec.demo`: the engine on a model pair, speculative vs target-only, side by side.
+"""`python -m exspec.demo.engine`: the engine on a model pair, speculative vs target-only, side by side.
 
 Uses the shipped demo pair (model_repository/exspec/1/demo) when present, otherwise builds a
 small seeded pair locally. Prints both outputs, whether they match token for token, the
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from . import EngineConfig, LLMEngine, SamplingParams
+from .. import EngineConfig, LLMEngine, SamplingParams
 
-DEMO_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "exspec" / "1" / "demo"
+DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
 FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in range(10):\n"]
 
 

@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .bench_equivalence import Reference
-from .bench_ideal import CostModel
-from .bench_methods import METHODS, CellKey, HFModels, Prompt, Run, make_method
-from .models import DTYPES
+from .equivalence import Reference
+from .ideal import CostModel
+from .methods import METHODS, CellKey, HFModels, Prompt, Run, make_method
+from ..models import DTYPES
 
-DEMO_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "exspec" / "1" / "demo"
+DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
 SPECULATIVE = ("eqspec", "exspec", "hf_assisted")
 FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in range(10):\n",
                     "class Engine:\n    def __init__(self):\n", "The quick brown fox "]
@@ -154,7 +154,7 @@ def resolve_pair(args) -> str:
     if (DEMO_DIR / "target" / "config.json").exists() and (DEMO_DIR / "draft" / "config.json").exists():
         pair, name = DEMO_DIR, "demo"
     else:
-        from .tiny import build_demo_pair
+        from ..demo.tiny import build_demo_pair
         pair = build_demo_pair(tempfile.mkdtemp(prefix="exspec-bench-"))
         name = "tiny"
         warnings.warn(f"no trained demo pair in {DEMO_DIR}; benchmarking a tiny random pair "
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
               "runs_wall_s": round(bench_seconds, 1)}
     results = {"schema": 1, "command": command, "machine": machine_info(args, costs),
                "config": config, "cells": cells}
-    from .bench_report import write_outputs
+    from .report import write_outputs
     paths = write_outputs(results, divergences, args.out)
     for path in paths:
         print(path)

@@ -1,11 +1,11 @@
-"""`python -m exspec.demo_triton`: the exspec backend in a real tritonserver, as a client sees it.
+"""`python -m exspec.demo.server`: the exspec backend in a real tritonserver, as a client sees it.
 
 Starts tritonserver on model_repository/ through the launcher (free ports), then
   1. streams one completion over gRPC (tritonclient, decoupled model `exspec`),
   2. streams one over HTTP generate_stream with curl,
   3. answers one unary infer (tritonclient HTTP, front model `exspec_unary`),
 and stops the server. Until the trained demo pair is in model_repository/exspec/1/demo, it
-serves a copy of the repository with a small seeded pair (exspec.tiny) in its place.
+serves a copy of the repository with a small seeded pair (exspec.demo.tiny) in its place.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .serve import TritonServer
+from ..serving.launcher import TritonServer
 
-REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+REPOSITORY = Path(__file__).resolve().parents[3] / "model_repository"
 FALLBACK_PROMPT = "def add(a, b):\n"
 
 
@@ -125,7 +125,7 @@ def _unary(http: str, prompt: str, max_tokens: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m exspec.demo_triton", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m exspec.demo.server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--prompt", default=None)

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from .bench_methods import HFModels, sync
+from .methods import HFModels, sync
 
 
 class CostModel:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import EngineConfig, LLMEngine, SamplingParams
-from .models import DTYPES, _eos_ids, _max_positions
+from .. import EngineConfig, LLMEngine, SamplingParams
+from ..models import DTYPES, _eos_ids, _max_positions
 
 ENGINE_METHODS = ("autoregressive", "eqspec", "exspec")
 HF_METHODS = ("hf_generate", "hf_assisted")
