@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from exspec.bench import main  # noqa: E402
+from exspec.bench.cli import main  # noqa: E402
 from exspec.demo.tiny import build_demo_pair  # noqa: E402
 
 NUMBER = (int, float)
