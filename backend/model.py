@@ -164,7 +164,8 @@ class TritonPythonModel:
         self._engine_thread.start()
         self._send_thread.start()
         threading.Thread(target=self._guard_orphan, name="exspec-orphan-guard", daemon=True).start()
-        pb_utils.Logger.log_info(f"exspec: model {self.model_name} ready on {engine_config.device}")
+        pb_utils.Logger.log_info(f"exspec: model {self.model_name} ready on {engine_config.device}, "
+                                 f"{self.engine.threads.describe()}")
 
     @staticmethod
     def _engine_config(args) -> EngineConfig:

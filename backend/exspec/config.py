@@ -36,6 +36,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     seed: int = 0                         # for requests that sample without a seed of their own
     tick_timeout_s: float | None = None   # the Triton adapter's watchdog: a longer tick is fatal
+    torch_threads: int | None = None      # intra/inter-op CPU threads; None: OMP_NUM_THREADS or 1 (threads.py)
     fault_injection: dict | None = None   # tests only: see faults.py; off unless set here
 
     def __post_init__(self):
@@ -68,6 +69,9 @@ class EngineConfig:
                              f"{self.max_num_seqs} sequences {self.max_batch_size} at a time takes "
                              f"{rounds} ticks; raise it to >= {rounds - 1} or lower max_num_seqs")
         Faults(self.fault_injection)   # validates the keys now, at model load
+        if self.torch_threads is not None and (isinstance(self.torch_threads, bool) or not
+                                               isinstance(self.torch_threads, int) or self.torch_threads < 1):
+            raise ValueError(f"torch_threads must be an integer >= 1, got {self.torch_threads!r}")
         if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
             raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
 

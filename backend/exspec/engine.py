@@ -27,6 +27,7 @@ from .pool import SequencePool
 from .runner import ModelRunner
 from .sequence import Sequence
 from .stats import Stats
+from .threads import apply_threads, choose_threads
 
 
 def _load_libc():
@@ -60,6 +61,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, pair: ModelPair | None = None):
         """`pair`: models already loaded (e.g. by another engine) to share instead of loading."""
         self.config = config
+        self.threads = apply_threads(choose_threads(config.torch_threads))   # before any kernel
         pair = pair or load_pair(config)
         self.pair = pair
         self.tokenizer = pair.tokenizer

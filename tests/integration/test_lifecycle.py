@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import queue
+from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
@@ -139,3 +140,10 @@ def _metrics_text(server) -> str:
     with urllib.request.urlopen(server.urls["metrics"], timeout=10) as r:
         return r.read().decode()
 
+
+
+def test_the_server_log_names_the_torch_threads_it_runs_with(server):
+    """The stub applies the thread rule at load and says so (no OMP_NUM_THREADS is set for
+    the test server, so it runs on the default single thread)."""
+    text = Path(server.log_path).read_text(errors="replace")
+    assert "ready on cpu, 1 torch thread (default)" in text, text[-2000:]

@@ -55,3 +55,22 @@ def test_headless_locust_completes_every_request_and_the_server_counts_them(
     grown = {o: after[o] - before[o] for o in after}
     assert grown["stop"] + grown["length"] == 2 * expected, f"server counted {grown}"
     assert sum(grown.values()) == 2 * expected, f"unexpected outcomes: {grown}"
+
+
+def test_an_unreachable_grpc_url_stops_the_run_at_start_with_a_clear_message(
+        load_server, metrics, prompts_file, tmp_path):
+    """The HTTP server answers but the gRPC address is wrong: the run must not start (no
+    tight loop of failed requests), exit non-zero and say which address is unreachable."""
+    from exspec.serving.ports import reserve_ports
+    before = metrics.outcomes()
+    with reserve_ports(1, host="127.0.0.1") as (closed,):   # reserved, so nothing listens
+        done = subprocess.run(
+            [sys.executable, str(REPO / "load_tests" / "run.py"), "--url", load_server.urls["http"],
+             "--grpc-url", f"127.0.0.1:{closed}", "--users", "2", "--run-time", "30",
+             "--max-tokens", "4", "--prompts-file", str(prompts_file), "--out", str(tmp_path / "l")],
+            capture_output=True, text=True, timeout=90)
+    log = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode != 0, f"the run started anyway:\n{log}"
+    assert f"gRPC 127.0.0.1:{closed}" in log and "cannot reach the server" in log, log
+    assert "HTTP" not in log.split("cannot reach the server")[1].split("(check")[0], log
+    assert metrics.outcomes() == before, "requests reached the server"

@@ -37,6 +37,7 @@ from .equivalence import Reference
 from .ideal import CostModel
 from .methods import METHODS, CellKey, HFModels, Prompt, Run, make_method
 from ..models import DTYPES
+from ..threads import apply_threads, choose_threads
 
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
 SPECULATIVE = ("eqspec", "exspec", "hf_assisted")
@@ -129,7 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (CPU)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: the server's rule: $OMP_NUM_THREADS, else 1)")
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
@@ -191,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     args = parse_args(argv)
     command = "exspec-bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    torch.set_num_threads(args.threads)
+    threads = apply_threads(choose_threads(args.threads))
+    args.threads = threads.intra_op
+    print(f"exspec-bench: {threads.describe()}", file=sys.stderr)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
     transformers.logging.set_verbosity_error()

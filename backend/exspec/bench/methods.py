@@ -66,7 +66,7 @@ class EngineMethod:
             target_model=args.target, draft_model=args.draft, tokenizer=args.tokenizer,
             method=key.method, num_speculative_tokens=key.k, adaptive_k=bool(key.adaptive_k),
             max_batch_size=key.batch_size, max_num_seqs=max(key.batch_size, num_prompts),
-            device=args.device, dtype=args.dtype))
+            device=args.device, dtype=args.dtype, torch_threads=args.threads))
 
     def run(self, prompts: list[Prompt], max_tokens: int) -> Run:
         before = self.engine.stats()
