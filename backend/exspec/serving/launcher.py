@@ -47,6 +47,20 @@ def stub_environment(base: dict | None = None, dist: TritonDist | None = None) -
     return env
 
 
+FALSE_WORDS = ("false", "0", "off", "no")
+
+
+def _last_flag(args: list[str], name: str) -> str | None:
+    """The value of the last `name=value` (or `name value`) among tritonserver arguments."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+        elif arg == name and i + 1 < len(args):
+            value = args[i + 1]
+    return None if value is None else value.strip().lower()
+
+
 class ServerNotReady(RuntimeError):
     """tritonserver exited or did not become ready in time; the message ends with its log tail."""
 
@@ -75,11 +89,16 @@ class TritonServer:
                  work_dir: str | os.PathLike | None = None, log_path: str | os.PathLike | None = None,
                  echo_log: bool = False, backend_source: str | os.PathLike | None = None):
         self.model_repository = Path(model_repository).resolve()
-        self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+        self.extra_args = list(extra_args)
+        # `-- --allow-metrics=false` (tritonserver's own flag) turns the metrics service off:
+        # then there is no metrics port to choose, check or wait for.
+        self.metrics_enabled = _last_flag(self.extra_args, "--allow-metrics") not in FALSE_WORDS
+        self.ports = {"http": http_port, "grpc": grpc_port}
+        if self.metrics_enabled:
+            self.ports["metrics"] = metrics_port
         self.use_free_ports = free_ports
         self.ready_file = Path(ready_file) if ready_file else None
         self.startup_timeout_s = startup_timeout_s
-        self.extra_args = list(extra_args)
         self.tritonserver = tritonserver
         self.work_dir = Path(work_dir) if work_dir else None
         self.log_path = Path(log_path) if log_path else None
@@ -96,7 +115,8 @@ class TritonServer:
         host = "127.0.0.1"
         return {"http": f"http://{host}:{self.ports['http']}",
                 "grpc": f"{host}:{self.ports['grpc']}",
-                "metrics": f"http://{host}:{self.ports['metrics']}/metrics"}
+                "metrics": (f"http://{host}:{self.ports['metrics']}/metrics"
+                            if self.metrics_enabled else None)}
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "TritonServer":
@@ -140,8 +160,8 @@ class TritonServer:
 
     def _claim_ports(self) -> PortReservation:
         if self.use_free_ports:
-            reservation = reserve_ports(3)
-            self.ports = dict(zip(("http", "grpc", "metrics"), reservation.ports))
+            reservation = reserve_ports(len(self.ports))
+            self.ports = dict(zip(self.ports, reservation.ports))
             return reservation
         busy = ports_in_use(self.ports.values())
         if busy:   # else another server could answer our readiness probe
@@ -154,8 +174,9 @@ class TritonServer:
         self._launched_at = self._log_file.tell()    # this attempt's lines start here
         cmd = [str(dist.binary), f"--model-repository={self.model_repository}",
                f"--backend-directory={backends}",
-               f"--http-port={self.ports['http']}", f"--grpc-port={self.ports['grpc']}",
-               f"--metrics-port={self.ports['metrics']}", "--allow-metrics=true"]
+               f"--http-port={self.ports['http']}", f"--grpc-port={self.ports['grpc']}"]
+        if self.metrics_enabled:
+            cmd += [f"--metrics-port={self.ports['metrics']}", "--allow-metrics=true"]
         if dist.caches.is_dir():
             cmd.append(f"--cache-directory={dist.caches}")
         cmd += self.extra_args
@@ -171,7 +192,8 @@ class TritonServer:
         service just after the HTTP one, so a scrape right after /v2/health/ready could be
         refused (seen in CI)."""
         deadline = time.monotonic() + self.startup_timeout_s
-        waiting = [self.urls["http"] + "/v2/health/ready", self.urls["metrics"]]
+        waiting = [self.urls["http"] + "/v2/health/ready"] + (
+            [self.urls["metrics"]] if self.metrics_enabled else [])
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 tail = self.log_tail()
@@ -327,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     urls = server.urls
     print(f"exspec-serve: ready\n  HTTP    {urls['http']}\n  gRPC    {urls['grpc']}\n"
-          f"  metrics {urls['metrics']}\n  log     {server.log_path}", flush=True)
+          f"  metrics {urls['metrics'] or 'off'}\n  log     {server.log_path}", flush=True)
     while not stopping.is_set() and server.is_running():
         stopping.wait(0.5)
     died = not server.is_running()
