@@ -107,10 +107,10 @@ class SequencePool:
         if group.steps:   # stepped before with the same batched caches: nothing re-stacked
             self.stats.add("sticky_steps")
         try:
-            self.stats.sync()
+            # No device sync around it: the step ends in its one device-to-host copy, so
+            # by the time it returns its GPU work is done.
             start, catch_up = time.perf_counter(), self.stats.seconds["prefill"]
             result = self.runner.step(group, k)
-            self.stats.sync()
             # the step's cost at this k, without a one-off draft catch-up prefill
             seconds = time.perf_counter() - start - (self.stats.seconds["prefill"] - catch_up)
             self.scheduler.observe(group, k, seconds, result.num_accepted)

@@ -1,4 +1,10 @@
-"""Engine statistics (DESIGN §3.8 keys) and phase timers that synchronise the device."""
+"""Engine statistics (DESIGN §3.8 keys) and phase timers.
+
+On a CPU a phase is wall time. On a GPU the work of a phase is only queued when its Python code
+returns, and synchronising to time it would stall the device at every phase (16 host round
+trips per step, counted). So a GPU phase records a pair of CUDA events on the stream instead,
+and their elapsed times are read later, once the step's own device-to-host copy has made them
+complete; `snapshot()` settles whatever is still outstanding."""
 from __future__ import annotations
 
 import time
@@ -15,8 +21,9 @@ PHASES = ("schedule", "prefill", "draft", "verify", "realign", "step")
 class Stats:
     def __init__(self, devices):
         """`devices`: every device the models use (a target spread by device_map has several)."""
-        gpus = [d for d in devices if torch.device(d).type == "cuda"]
-        self.sync = lambda: [torch.cuda.synchronize(d) for d in gpus]
+        gpus = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
+        self.gpu = gpus[0] if gpus else None    # events on the engine's stream (its first GPU)
+        self._pending: list[tuple[str, object, object]] = []   # (phase, start, end) events
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.steps_by_shape: dict[tuple[int, int], int] = {}   # (rows, k) -> steps
@@ -29,15 +36,37 @@ class Stats:
 
     @contextmanager
     def timer(self, phase: str):
-        self.sync()
-        start = time.perf_counter()
+        if self.gpu is not None:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record(torch.cuda.current_stream(self.gpu))
+            try:
+                yield
+            finally:
+                end.record(torch.cuda.current_stream(self.gpu))
+                self._pending.append((phase, start, end))
+                self._settle(wait=False)
+            return
+        start_s = time.perf_counter()
         try:
             yield
         finally:
-            self.sync()
-            self.seconds[phase] += time.perf_counter() - start
+            self.seconds[phase] += time.perf_counter() - start_s
+
+    def _settle(self, wait: bool) -> None:
+        """Add the elapsed time of every timed GPU phase whose end event has completed (all of
+        them when `wait`), without waiting on the device otherwise."""
+        still = []
+        for phase, start, end in self._pending:
+            if wait:
+                end.synchronize()
+            if wait or end.query():
+                self.seconds[phase] += start.elapsed_time(end) / 1000.0
+            else:
+                still.append((phase, start, end))
+        self._pending = still
 
     def snapshot(self, pool_seqs: int, pool_kv_tokens: int, queue_len: int) -> dict:
+        self._settle(wait=True)   # once per tick, after the step's own sync: nothing waits here
         c = self.counts
         out = {k: v for k, v in c.items() if k != "row_steps"}
         out["acceptance_rate"] = c["accepted_tokens"] / c["draft_tokens"] if c["draft_tokens"] else None

@@ -120,3 +120,4 @@ def test_skipped_cache_crop_breaks_equivalence(pairs, reference, monkeypatch, me
     outs = engine.generate(prompts, SamplingParams(max_tokens=20))
     with pytest.raises(AssertionError, match="differs at output position"):
         assert_equivalent(outs, prompts, [20] * len(prompts), reference, pairs["llama", "target"], 256)
+
