@@ -37,10 +37,12 @@ def test_threads_allocating_at_once_get_distinct_ports():
 
 def test_processes_allocating_at_once_get_distinct_ports():
     """Each process reserves, reports its ports and holds them until its stdin closes."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]);"
-            "from exspec.serving.ports import reserve_ports;"
-            "r = reserve_ports(5); print(*r.ports, flush=True); sys.stdin.read()")
-    backend = str(Path(__file__).resolve().parents[1] / "backend")
+    # The module alone, by path: importing the exspec package would load torch in each process.
+    code = ("import importlib.util, sys;"
+            "spec = importlib.util.spec_from_file_location('ports', sys.argv[1]);"
+            "ports = importlib.util.module_from_spec(spec); spec.loader.exec_module(ports);"
+            "r = ports.reserve_ports(5); print(*r.ports, flush=True); sys.stdin.read()")
+    backend = str(Path(__file__).resolve().parents[1] / "backend" / "exspec" / "serving" / "ports.py")
     procs = [subprocess.Popen([sys.executable, "-c", code, backend], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True) for _ in range(4)]
     try:
