@@ -86,6 +86,8 @@ SCHEMA_VIOLATIONS = {
     "extra arg not a flag": {"extraArgs": ["model-repository=/x"]},
     "unknown autoscaler": {"autoscaling": {"engine": "vpa"}},
     "shm size not a quantity": {"shmSize": "lots"},
+    "admin header gRPC cannot carry": {"adminApi": {"header": "X-Admin-Key"}},
+    "admin secret not a name": {"adminApi": {"existingSecret": "My Secret"}},
 }
 
 
@@ -282,6 +284,63 @@ def test_only_one_autoscaler_at_a_time():
             behavior = hpa["spec"]["behavior"]
             assert behavior["scaleUp"]["stabilizationWindowSeconds"] < \
                 behavior["scaleDown"]["stabilizationWindowSeconds"]
+
+
+# -- the admin key ---------------------------------------------------------------------------
+ADMIN_GROUPS = {"shared-memory", "model-config", "model-repository", "statistics", "trace",
+                "logging"}      # every Triton API group but health, metadata and inference
+RESTRICTION_FLAGS = {"--http-restricted-api", "--grpc-restricted-protocol"}
+
+
+def restrictions(c: dict) -> dict:
+    """Triton's restriction flags, `<groups>:<header>=<key>`: flag -> (groups, header, key)."""
+    out = {}
+    for arg in c["args"]:
+        flag, _, spec = arg.partition("=")
+        if flag in RESTRICTION_FLAGS:
+            groups, _, rest = spec.partition(":")
+            header, _, key = rest.partition("=")
+            out[flag] = (set(groups.split(",")), header, key)
+    return out
+
+
+def key_source(docs) -> dict:
+    """The Secret reference both restriction flags take their key from, through the env."""
+    c = container(docs)
+    env = {e["name"]: e for e in c["env"]}
+    found = restrictions(c)
+    assert set(found) == RESTRICTION_FLAGS, f"restriction flags: {sorted(found)}"
+    refs = []
+    for flag, (groups, header, key) in found.items():
+        assert groups == ADMIN_GROUPS, f"{flag} restricts {sorted(groups)}"
+        assert header == "exspec-admin-key", (flag, header)
+        variable = re.fullmatch(r"\$\((\w+)\)", key)
+        assert variable, f"{flag}: the key {key!r} is not taken from the env"
+        refs.append(env[variable.group(1)]["valueFrom"]["secretKeyRef"])
+    assert refs[0] == refs[1], refs
+    return refs[0]
+
+
+def test_admin_apis_need_a_generated_key_over_both_protocols(rendered):
+    import base64
+    _, docs = rendered
+    ref = key_source(docs)
+    secret = one(docs, "Secret")
+    assert ref["name"] == secret["metadata"]["name"]
+    assert len(base64.b64decode(secret["data"][ref["key"]])) >= 32
+
+
+def test_an_existing_secret_replaces_the_generated_one():
+    docs = render({"adminApi": {"existingSecret": "ops-triton-key", "secretKey": "token"}})
+    assert key_source(docs) == {"name": "ops-triton-key", "key": "token"}
+    assert not [d for d in docs if d["kind"] == "Secret"], "a second key was generated"
+
+
+def test_opting_out_renders_no_restriction_and_no_secret():
+    docs = render({"adminApi": {"restricted": False}})
+    c = container(docs)
+    assert not restrictions(c) and "EXSPEC_ADMIN_KEY" not in {e["name"] for e in c["env"]}
+    assert not [d for d in docs if d["kind"] == "Secret"]
 
 
 # -- KServe ----------------------------------------------------------------------------------
