@@ -304,9 +304,9 @@ def restrictions(c: dict) -> dict:
     return out
 
 
-def key_source(docs) -> dict:
-    """The Secret reference both restriction flags take their key from, through the env."""
-    c = container(docs)
+def key_source(c: dict) -> dict:
+    """The Secret reference both restriction flags of container `c` take their key from,
+    through its env."""
     env = {e["name"]: e for e in c["env"]}
     found = restrictions(c)
     assert set(found) == RESTRICTION_FLAGS, f"restriction flags: {sorted(found)}"
@@ -324,7 +324,7 @@ def key_source(docs) -> dict:
 def test_admin_apis_need_a_generated_key_over_both_protocols(rendered):
     import base64
     _, docs = rendered
-    ref = key_source(docs)
+    ref = key_source(container(docs))
     secret = one(docs, "Secret")
     assert ref["name"] == secret["metadata"]["name"]
     assert len(base64.b64decode(secret["data"][ref["key"]])) >= 32
@@ -332,7 +332,7 @@ def test_admin_apis_need_a_generated_key_over_both_protocols(rendered):
 
 def test_an_existing_secret_replaces_the_generated_one():
     docs = render({"adminApi": {"existingSecret": "ops-triton-key", "secretKey": "token"}})
-    assert key_source(docs) == {"name": "ops-triton-key", "key": "token"}
+    assert key_source(container(docs)) == {"name": "ops-triton-key", "key": "token"}
     assert not [d for d in docs if d["kind"] == "Secret"], "a second key was generated"
 
 
@@ -359,6 +359,7 @@ def test_kserve_runtime_and_service_agree():
     sleep = int(re.search(r"sleep (\d+)", c["lifecycle"]["preStop"]["exec"]["command"][2]).group(1))
     grace = isvc["spec"]["predictor"]["terminationGracePeriodSeconds"]
     assert grace >= sleep + int(args["exit-timeout-secs"])
+    assert key_source(c)["name"] in (KSERVE / "README.md").read_text(), "no Secret to create"
     gpus = model["resources"]["limits"]["nvidia.com/gpu"]
     assert int(gpus) == 1
     readme = (KSERVE / "README.md").read_text()
