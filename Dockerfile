@@ -1,8 +1,9 @@
 # exspec on NVIDIA's Triton Inference Server image.
 #
 #   docker build -t exspec .
+#   export EXSPEC_ADMIN_KEY=$(openssl rand -hex 20)   # Triton's admin APIs need it (below)
 #   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 \
-#       -v ~/.cache/huggingface:/root/.cache/huggingface exspec
+#       -e EXSPEC_ADMIN_KEY -v ~/.cache/huggingface:/root/.cache/huggingface exspec
 #
 # Base: the newest Triton release whose notes we found (26.09, CUDA 13.4). Its images are
 # Ubuntu 24.04 with Python 3.12, and its Python backend stub is built for that Python, so torch
@@ -46,4 +47,10 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD python3 -c "import urllib.request, sys; \
 sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4).status != 200)"
 
-CMD ["tritonserver", "--model-repository=/models"]
+# Triton listens on every interface, as a container must. Its administrative APIs (shared
+# memory, model repository, model config, statistics, trace, logging) answer only requests that
+# carry the key of EXSPEC_ADMIN_KEY in the header exspec-admin-key (gRPC:
+# triton-grpc-protocol-exspec-admin-key); health, metadata, inference and metrics stay open.
+# Without a key the container does not start. Opting out is explicit: give the command
+# yourself (docker run ... exspec tritonserver --model-repository=/models).
+CMD ["/bin/sh", "-c", "admin=shared-memory,model-config,model-repository,statistics,trace,logging:exspec-admin-key=${EXSPEC_ADMIN_KEY:?no admin key, pass docker run -e EXSPEC_ADMIN_KEY=<key> (see the README)} && exec tritonserver --model-repository=/models --http-restricted-api=\"$admin\" --grpc-restricted-protocol=\"$admin\""]

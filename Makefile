@@ -31,7 +31,8 @@ demo: venv
 	$(BIN)/python -m exspec.demo.engine
 	$(BIN)/python -m exspec.demo.server
 
-# A real tritonserver on model_repository/ (ports 8000/8001/8002); Ctrl-C stops it.
+# A real tritonserver on model_repository/ (127.0.0.1 only, ports 8000/8001/8002; exspec-serve
+# --host 0.0.0.0 listens on every interface); Ctrl-C stops it.
 serve: venv
 	$(BIN)/exspec-serve --model-repository model_repository
 

@@ -1,9 +1,12 @@
 """Run a rendered pod's container on loopback: the real tritonserver with the Deployment's
-command arguments, env, ports, volume mounts and preStop hook, as a kubelet would, with each
-container path mapped into a temporary folder and each container port onto a free port."""
+command arguments, env (Secret entries included, expanded into the arguments as `$(VAR)`),
+ports, volume mounts and preStop hook, as a kubelet would, with each container path mapped into
+a temporary folder and each container port onto a free port."""
 from __future__ import annotations
 
+import base64
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,7 +16,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from deploykit import REPO, one
+import pytest
+
+from deploykit import REPO, need_module, one
 
 from exspec.serving.install import find_tritonserver, install
 from exspec.serving.launcher import stub_environment
@@ -27,6 +32,14 @@ def build_pair(out: Path) -> Path:
     target = llama(len(tokenizer), 11, layers=2, hidden=64, max_positions=4096,
                    eos_token_id=tokenizer.eos_token_id)
     return save_pair(out, tokenizer, target, noisy_copy(target, 12, scale=0.05))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> Path:
+    """The pair a test module's pod serves (import it as a fixture; its clients need
+    tritonclient)."""
+    need_module("tritonclient.grpc")
+    return build_pair(tmp_path_factory.mktemp("pair"))
 
 
 class SimulatedPod:
@@ -43,6 +56,9 @@ class SimulatedPod:
         self.ports = {p["containerPort"]: port for p, port in
                       zip(self.container["ports"], self._reservation.ports)}
         self.named_ports = {p["name"]: self.ports[p["containerPort"]] for p in self.container["ports"]}
+        self.secrets = {d["metadata"]["name"]: {k: base64.b64decode(v).decode()
+                                                for k, v in d.get("data", {}).items()}
+                        for d in docs if d["kind"] == "Secret"}
         self._lay_out(docs, model_store)
         self.process: subprocess.Popen | None = None
         self.log = root / "tritonserver.log"
@@ -87,11 +103,24 @@ class SimulatedPod:
         return text
 
     # -- the process ---------------------------------------------------------------------------
-    def command(self, backends: Path, dist) -> list[str]:
+    def env(self) -> dict[str, str]:
+        """The container's own env as the kubelet resolves it: values and Secret entries."""
+        env = {}
+        for item in self.container.get("env", []):
+            if "value" in item:
+                value = item["value"]
+                env[item["name"]] = str(self.host(value)) if value.startswith("/") else value
+            else:
+                ref = item["valueFrom"]["secretKeyRef"]
+                assert ref["name"] in self.secrets, f"Secret {ref['name']} is not in the release"
+                env[item["name"]] = self.secrets[ref["name"]][ref["key"]]
+        return env
+
+    def command(self, backends: Path, dist, env: dict[str, str]) -> list[str]:
         assert self.container["command"] == ["tritonserver"]
         cmd = [str(dist.binary)]
         for arg in self.container["args"]:
-            flag, _, value = arg.partition("=")
+            flag, _, value = expand(arg, env).partition("=")
             if flag.endswith("-port") and int(value) in self.ports:
                 value = str(self.ports[int(value)])
             elif value.startswith("/"):
@@ -106,13 +135,12 @@ class SimulatedPod:
     def start(self):
         dist = find_tritonserver()
         backends = install(self.root / "backends", dist)
-        env = stub_environment(dist=dist)
-        for item in self.container.get("env", []):
-            value = item["value"]
-            env[item["name"]] = str(self.host(value)) if value.startswith("/") else value
+        container_env = self.env()
+        env = {**stub_environment(dist=dist), **container_env}
         self._log_file = open(self.log, "ab")
-        self.process = subprocess.Popen(self.command(backends, dist), env=env, stdout=self._log_file,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(self.command(backends, dist, container_env), env=env,
+                                        stdout=self._log_file, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
         self.started = time.monotonic()
         return self
 
@@ -171,6 +199,13 @@ class SimulatedPod:
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://{self.url('metrics')}/metrics", timeout=10) as r:
             return r.read().decode()
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' expansion of a container argument: $(VAR) becomes VAR's value when the
+    container defines VAR (else stays as written), $$ becomes $."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
 
 
 def pod_values(pair: Path, **engine) -> dict:

@@ -86,6 +86,8 @@ SCHEMA_VIOLATIONS = {
     "extra arg not a flag": {"extraArgs": ["model-repository=/x"]},
     "unknown autoscaler": {"autoscaling": {"engine": "vpa"}},
     "shm size not a quantity": {"shmSize": "lots"},
+    "admin header gRPC cannot carry": {"adminApi": {"header": "X-Admin-Key"}},
+    "admin secret not a name": {"adminApi": {"existingSecret": "My Secret"}},
 }
 
 
@@ -284,6 +286,63 @@ def test_only_one_autoscaler_at_a_time():
                 behavior["scaleDown"]["stabilizationWindowSeconds"]
 
 
+# -- the admin key ---------------------------------------------------------------------------
+ADMIN_GROUPS = {"shared-memory", "model-config", "model-repository", "statistics", "trace",
+                "logging"}      # every Triton API group but health, metadata and inference
+RESTRICTION_FLAGS = {"--http-restricted-api", "--grpc-restricted-protocol"}
+
+
+def restrictions(c: dict) -> dict:
+    """Triton's restriction flags, `<groups>:<header>=<key>`: flag -> (groups, header, key)."""
+    out = {}
+    for arg in c["args"]:
+        flag, _, spec = arg.partition("=")
+        if flag in RESTRICTION_FLAGS:
+            groups, _, rest = spec.partition(":")
+            header, _, key = rest.partition("=")
+            out[flag] = (set(groups.split(",")), header, key)
+    return out
+
+
+def key_source(c: dict) -> dict:
+    """The Secret reference both restriction flags of container `c` take their key from,
+    through its env."""
+    env = {e["name"]: e for e in c["env"]}
+    found = restrictions(c)
+    assert set(found) == RESTRICTION_FLAGS, f"restriction flags: {sorted(found)}"
+    refs = []
+    for flag, (groups, header, key) in found.items():
+        assert groups == ADMIN_GROUPS, f"{flag} restricts {sorted(groups)}"
+        assert header == "exspec-admin-key", (flag, header)
+        variable = re.fullmatch(r"\$\((\w+)\)", key)
+        assert variable, f"{flag}: the key {key!r} is not taken from the env"
+        refs.append(env[variable.group(1)]["valueFrom"]["secretKeyRef"])
+    assert refs[0] == refs[1], refs
+    return refs[0]
+
+
+def test_admin_apis_need_a_generated_key_over_both_protocols(rendered):
+    import base64
+    _, docs = rendered
+    ref = key_source(container(docs))
+    secret = one(docs, "Secret")
+    assert ref["name"] == secret["metadata"]["name"]
+    assert len(base64.b64decode(secret["data"][ref["key"]])) >= 32
+
+
+def test_an_existing_secret_replaces_the_generated_one():
+    docs = render({"adminApi": {"existingSecret": "ops-triton-key", "secretKey": "token"}})
+    assert key_source(container(docs)) == {"name": "ops-triton-key", "key": "token"}
+    assert not [d for d in docs if d["kind"] == "Secret"], "a second key was generated"
+
+
+def test_opting_out_renders_no_restriction_and_no_secret():
+    docs = render({"adminApi": {"restricted": False}})
+    c = container(docs)
+    assert not restrictions(c) and "EXSPEC_ADMIN_KEY" not in {e["name"] for e in c["env"]}
+    assert not [d for d in docs if d["kind"] == "Secret"]
+
+
 # -- KServe ----------------------------------------------------------------------------------
 def test_kserve_runtime_and_service_agree():
     objects = {d["kind"]: d for d in kserve_objects()}
@@ -300,6 +359,7 @@ def test_kserve_runtime_and_service_agree():
     sleep = int(re.search(r"sleep (\d+)", c["lifecycle"]["preStop"]["exec"]["command"][2]).group(1))
     grace = isvc["spec"]["predictor"]["terminationGracePeriodSeconds"]
     assert grace >= sleep + int(args["exit-timeout-secs"])
+    assert key_source(c)["name"] in (KSERVE / "README.md").read_text(), "no Secret to create"
     gpus = model["resources"]["limits"]["nvidia.com/gpu"]
     assert int(gpus) == 1
     readme = (KSERVE / "README.md").read_text()

@@ -7,18 +7,12 @@ import time
 
 import pytest
 
-from deploykit import deep_merge, load_values, need_module, one, render
+from deploykit import deep_merge, load_values, one, render
+from pods import pair  # noqa: F401  (a fixture)
 
 LONGEST_STREAM_S = 10     # the drain deadline in this pod: long enough for a loaded CI machine
 PRE_STOP_S = 2
 TICK_DELAY_S = 0.03       # 3900 tokens take >= 23 s even if every draft is accepted (k = 5)
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    need_module("tritonclient.grpc")
-    from pods import build_pair
-    return build_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.fixture(scope="module")

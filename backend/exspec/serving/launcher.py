@@ -1,17 +1,20 @@
 """exspec-serve: lay out the backend, start a real tritonserver, wait until it is ready.
 
-    exspec-serve --model-repository model_repository [--http-port N] [--grpc-port N]
-                 [--metrics-port N] [--free-ports] [--ready-file PATH]
+    exspec-serve --model-repository model_repository [--host ADDRESS] [--http-port N]
+                 [--grpc-port N] [--metrics-port N] [--free-ports] [--ready-file PATH]
                  [--startup-timeout-s S] [-- extra tritonserver args]
 
-Prints the URLs once every model is ready (and writes them as JSON to --ready-file), exits
-non-zero with the log's tail when the server is not ready in time, and stops the server cleanly
-on Ctrl-C / SIGTERM. Tests use `TritonServer` as a context manager. This module never imports
+Listens on loopback only unless --host says otherwise (Triton's own default, every interface,
+would serve the model and Triton's administrative APIs to the whole network). Prints the URLs
+once every model is ready (and writes them as JSON to --ready-file), exits non-zero with the
+log's tail when the server is not ready in time, and stops the server cleanly on Ctrl-C /
+SIGTERM. Tests use `TritonServer` as a context manager. This module never imports
 Triton: it copies files (exspec.serving.install) and runs a process.
 """
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import signal
@@ -78,17 +81,22 @@ class TritonServer:
 
         with TritonServer("model_repository", free_ports=True) as server:
             server.urls["http"]   # http://127.0.0.1:PORT
+
+    `host` is the IPv4 address HTTP, gRPC and metrics listen on: loopback by default,
+    "0.0.0.0" for every interface.
     """
 
     PORT_ATTEMPTS = 3
 
-    def __init__(self, model_repository: str | os.PathLike, *, http_port: int = 8000,
-                 grpc_port: int = 8001, metrics_port: int = 8002, free_ports: bool = False,
+    def __init__(self, model_repository: str | os.PathLike, *, host: str = "127.0.0.1",
+                 http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                 free_ports: bool = False,
                  ready_file: str | os.PathLike | None = None, startup_timeout_s: float = 300.0,
                  extra_args: list[str] | tuple[str, ...] = (), tritonserver: str | None = None,
                  work_dir: str | os.PathLike | None = None, log_path: str | os.PathLike | None = None,
                  echo_log: bool = False, backend_source: str | os.PathLike | None = None):
         self.model_repository = Path(model_repository).resolve()
+        self.host = listen_address(host)
         self.extra_args = list(extra_args)
         # `-- --allow-metrics=false` (tritonserver's own flag) turns the metrics service off:
         # then there is no metrics port to choose, check or wait for.
@@ -112,7 +120,7 @@ class TritonServer:
     # -- URLs --------------------------------------------------------------------------------
     @property
     def urls(self) -> dict:
-        host = "127.0.0.1"
+        host = "127.0.0.1" if self.host == "0.0.0.0" else self.host
         return {"http": f"http://{host}:{self.ports['http']}",
                 "grpc": f"{host}:{self.ports['grpc']}",
                 "metrics": (f"http://{host}:{self.ports['metrics']}/metrics"
@@ -160,10 +168,10 @@ class TritonServer:
 
     def _claim_ports(self) -> PortReservation:
         if self.use_free_ports:
-            reservation = reserve_ports(len(self.ports))
+            reservation = reserve_ports(len(self.ports), host=self.host)
             self.ports = dict(zip(self.ports, reservation.ports))
             return reservation
-        busy = ports_in_use(self.ports.values())
+        busy = ports_in_use(self.ports.values(), host=self.host)
         if busy:   # else another server could answer our readiness probe
             raise PortInUse(f"port(s) {', '.join(map(str, busy))} already in use; stop the "
                             "other server, choose other ports, or pass --free-ports")
@@ -174,9 +182,11 @@ class TritonServer:
         self._launched_at = self._log_file.tell()    # this attempt's lines start here
         cmd = [str(dist.binary), f"--model-repository={self.model_repository}",
                f"--backend-directory={backends}",
-               f"--http-port={self.ports['http']}", f"--grpc-port={self.ports['grpc']}"]
+               f"--http-port={self.ports['http']}", f"--grpc-port={self.ports['grpc']}",
+               f"--http-address={self.host}", f"--grpc-address={self.host}"]
         if self.metrics_enabled:
-            cmd += [f"--metrics-port={self.ports['metrics']}", "--allow-metrics=true"]
+            cmd += [f"--metrics-port={self.ports['metrics']}", "--allow-metrics=true",
+                    f"--metrics-address={self.host}"]
         if dist.caches.is_dir():
             cmd.append(f"--cache-directory={dist.caches}")
         cmd += self.extra_args
@@ -200,7 +210,7 @@ class TritonServer:
                 with open(self.log_path, "rb") as log:
                     log.seek(self._launched_at)
                     this_attempt = log.read().decode(errors="replace")
-                if "already in use" in this_attempt:   # "Socket '0.0.0.0:N' already in use"
+                if "already in use" in this_attempt:   # "Socket '127.0.0.1:N' already in use"
                     raise PortTaken(f"a port was taken before tritonserver bound it:\n{tail}")
                 raise ServerNotReady(f"tritonserver exited with code {self.process.returncode} "
                                      f"before it was ready; log tail:\n{tail}")
@@ -292,6 +302,23 @@ def stub_pids(marker: str) -> list[int]:
     return sorted(pids)
 
 
+def listen_address(host: str) -> str:
+    """`host` if it is an IPv4 address tritonserver can listen on, else a ValueError that says
+    what is accepted (the port checks and the printed URLs are IPv4)."""
+    try:
+        return str(ipaddress.IPv4Address(host))
+    except ValueError:
+        raise ValueError(f"{host!r} is not an IPv4 address: give 127.0.0.1 (loopback, the "
+                         "default), 0.0.0.0 (every interface) or one of this machine's") from None
+
+
+def _host_argument(value: str) -> str:
+    try:
+        return listen_address(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None   # argparse shows only this type
+
+
 def parse_args(argv: list[str] | None):
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = []
@@ -300,6 +327,9 @@ def parse_args(argv: list[str] | None):
         argv, extra = argv[:cut], argv[cut + 1:]
     parser = argparse.ArgumentParser(prog="exspec-serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-repository", required=True)
+    parser.add_argument("--host", type=_host_argument, default="127.0.0.1",
+                        help="IPv4 address HTTP, gRPC and metrics listen on (default 127.0.0.1: "
+                             "this machine only; 0.0.0.0: every interface)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
@@ -323,7 +353,7 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
-    server = TritonServer(args.model_repository, http_port=args.http_port,
+    server = TritonServer(args.model_repository, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                           free_ports=args.free_ports, ready_file=args.ready_file,
                           startup_timeout_s=args.startup_timeout_s, extra_args=extra,

@@ -78,3 +78,13 @@ scaleDown:
   policies:
     - {type: Pods, value: 1, periodSeconds: 300}
 {{- end -}}
+
+{{/* Admin key: Triton's API groups other than health, metadata and inference, and the Secret
+that holds the key (the operator's, or the one the chart generates). */}}
+{{- define "exspec.restrictedApis" -}}
+shared-memory,model-config,model-repository,statistics,trace,logging
+{{- end -}}
+
+{{- define "exspec.adminSecretName" -}}
+{{- .Values.adminApi.existingSecret | default (printf "%s-admin-key" (include "exspec.fullname" .)) -}}
+{{- end -}}

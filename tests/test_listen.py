@@ -1,0 +1,101 @@
+"""exspec-serve listens on loopback unless told otherwise: a server started with the defaults
+cannot be reached through this machine's other IPv4 addresses, while one started with
+`--host 0.0.0.0` can (the control that shows those addresses reach this machine at all)."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "backend"))
+from exspec.serving import launcher  # noqa: E402
+
+SIOCGIFADDR = 0x8915   # Linux ioctl: an interface's IPv4 address
+
+
+def non_loopback_ipv4() -> str | None:
+    """One IPv4 address of this machine outside 127.0.0.0/8, or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:      # the interface has no IPv4 address
+                continue
+            address = socket.inet_ntoa(answer[20:24])
+            if not address.startswith("127."):
+                return address
+    return None
+
+
+@pytest.fixture(scope="module")
+def address() -> str:
+    pytest.importorskip("pytriton")
+    found = non_loopback_ipv4()
+    if found is None:
+        pytest.skip("this machine has no IPv4 address besides loopback")
+    return found
+
+
+@contextlib.contextmanager
+def exspec_serve(tmp_path: Path, *flags: str):
+    """exspec-serve on an empty model repository (Triton is ready at once), as a user runs it;
+    yields its {http, grpc, metrics} ports."""
+    repo, ready = tmp_path / "models", tmp_path / "ready.json"
+    repo.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "backend"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "exspec.serving.launcher", "--model-repository", str(repo),
+         "--free-ports", "--ready-file", str(ready), "--work-dir", str(tmp_path / "work"),
+         "--quiet", *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not ready.exists():
+            assert process.poll() is None, f"exspec-serve exited:\n{process.stdout.read().decode()}"
+            assert time.monotonic() < deadline, "exspec-serve not ready after 180 s"
+            time.sleep(0.25)
+        urls = json.loads(ready.read_text())
+        yield {name: int(re.search(r":(\d+)", urls[name].split("//")[-1]).group(1))
+               for name in ("http", "grpc", "metrics")}
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+
+
+def answers(address: str, port: int) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=5):
+            return True
+    except ConnectionRefusedError:
+        return False
+
+
+def test_exspec_serve_listens_on_loopback_only_by_default(tmp_path, address):
+    with exspec_serve(tmp_path) as ports:
+        for name, port in ports.items():
+            assert answers("127.0.0.1", port), f"{name} port {port} does not answer on loopback"
+            assert not answers(address, port), f"{name} port {port} answers on {address}"
+
+
+def test_host_flag_listens_on_every_interface(tmp_path, address):
+    with exspec_serve(tmp_path, "--host", "0.0.0.0") as ports:
+        for name, port in ports.items():
+            assert answers(address, port), f"--host 0.0.0.0: {name} port {port} refused on {address}"
+
+
+def test_host_flag_refuses_what_is_not_an_ipv4_address(capsys):
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--model-repository", "models", "--host", "localhost"])
+    assert "'localhost' is not an IPv4 address" in capsys.readouterr().err
