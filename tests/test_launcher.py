@@ -2,12 +2,8 @@
 repository (it starts in seconds): port clashes, the bounded retry, metrics turned off."""
 from __future__ import annotations
 
-import json
-import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -63,28 +59,3 @@ def test_launcher_refuses_a_given_port_that_is_busy(tmp_path):
             server.start()
         assert server.process is None      # refused before anything started
 
-
-def test_exspec_serve_starts_with_metrics_turned_off_and_waits_for_no_metrics_port(tmp_path):
-    repo = tmp_path / "models"
-    repo.mkdir()
-    ready = tmp_path / "ready.json"
-    proc = subprocess.Popen([sys.executable, "-m", "exspec.serving.launcher",
-                             "--model-repository", str(repo), "--free-ports", "--quiet",
-                             "--ready-file", str(ready), "--", "--allow-metrics=false"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=Path(__file__).resolve().parents[1] / "backend")
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert proc.poll() is None, f"exspec-serve exited: {proc.stdout.read()}"
-            assert time.monotonic() < deadline, "exspec-serve never became ready"
-            time.sleep(0.2)
-        urls = json.loads(ready.read_text())
-        assert urls["metrics"] is None
-        log = Path(urls["log"]).read_text()
-        assert "Started Metrics Service" not in log, log[-2000:]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
-    assert "metrics off" in out, out

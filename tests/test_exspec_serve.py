@@ -1,6 +1,9 @@
-"""exspec-serve listens on loopback unless told otherwise: a server started with the defaults
-cannot be reached through this machine's other IPv4 addresses, while one started with
-`--host 0.0.0.0` can (the control that shows those addresses reach this machine at all)."""
+"""exspec-serve as a user runs it (a subprocess on an empty model repository, ready at once).
+
+It listens on loopback unless told otherwise: a server started with the defaults cannot be
+reached through this machine's other IPv4 addresses, while one started with `--host 0.0.0.0`
+can (the control that shows those addresses reach this machine at all). With tritonserver's
+`--allow-metrics=false` passed through it starts without a metrics port."""
 from __future__ import annotations
 
 import contextlib
@@ -51,7 +54,8 @@ def address() -> str:
 @contextlib.contextmanager
 def exspec_serve(tmp_path: Path, *flags: str):
     """exspec-serve on an empty model repository (Triton is ready at once), as a user runs it;
-    yields its {http, grpc, metrics} ports."""
+    yields the ready file's contents ({http, grpc, metrics, pid, log}). The process's output
+    is in the `output` list once the block ends."""
     repo, ready = tmp_path / "models", tmp_path / "ready.json"
     repo.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "backend"),
@@ -66,12 +70,19 @@ def exspec_serve(tmp_path: Path, *flags: str):
             assert process.poll() is None, f"exspec-serve exited:\n{process.stdout.read().decode()}"
             assert time.monotonic() < deadline, "exspec-serve not ready after 180 s"
             time.sleep(0.25)
-        urls = json.loads(ready.read_text())
-        yield {name: int(re.search(r":(\d+)", urls[name].split("//")[-1]).group(1))
-               for name in ("http", "grpc", "metrics")}
+        yield json.loads(ready.read_text())
     finally:
         process.send_signal(signal.SIGTERM)
-        process.wait(60)
+        out, _ = process.communicate(timeout=60)
+        OUTPUT[:] = [process.returncode, out.decode(errors="replace")]
+
+
+OUTPUT: list = []    # [exit code, output] of the last exspec_serve process
+
+
+def ports_of(urls: dict) -> dict:
+    return {name: int(re.search(r":(\d+)", urls[name].split("//")[-1]).group(1))
+            for name in ("http", "grpc", "metrics")}
 
 
 def answers(address: str, port: int) -> bool:
@@ -83,16 +94,27 @@ def answers(address: str, port: int) -> bool:
 
 
 def test_exspec_serve_listens_on_loopback_only_by_default(tmp_path, address):
-    with exspec_serve(tmp_path) as ports:
-        for name, port in ports.items():
+    with exspec_serve(tmp_path) as urls:
+        for name, port in ports_of(urls).items():
             assert answers("127.0.0.1", port), f"{name} port {port} does not answer on loopback"
             assert not answers(address, port), f"{name} port {port} answers on {address}"
 
 
 def test_host_flag_listens_on_every_interface(tmp_path, address):
-    with exspec_serve(tmp_path, "--host", "0.0.0.0") as ports:
-        for name, port in ports.items():
+    with exspec_serve(tmp_path, "--host", "0.0.0.0") as urls:
+        for name, port in ports_of(urls).items():
             assert answers(address, port), f"--host 0.0.0.0: {name} port {port} refused on {address}"
+
+
+def test_exspec_serve_starts_with_metrics_turned_off_and_waits_for_no_metrics_port(tmp_path):
+    pytest.importorskip("pytriton")
+    with exspec_serve(tmp_path, "--", "--allow-metrics=false") as urls:
+        assert urls["metrics"] is None
+        log = Path(urls["log"]).read_text()
+        assert "Started Metrics Service" not in log, log[-2000:]
+    code, out = OUTPUT
+    assert code == 0, out
+    assert "metrics off" in out, out
 
 
 def test_host_flag_refuses_what_is_not_an_ipv4_address(capsys):
