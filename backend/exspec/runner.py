@@ -15,6 +15,7 @@ import torch
 from .faults import Faults
 from .group import Group
 from .kv import PaddedKV
+from .noise import gumbel
 from .sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
 from .sequence import Sequence
 from .stats import Stats
@@ -32,6 +33,8 @@ class ModelRunner:
                  faults: Faults | None = None, coupling: str = "gumbel"):
         self.faults = faults or Faults(None)
         self.coupling = coupling     # "gumbel" or "rejection" (sampler.py)
+        # Gumbel noise covers the wider vocabulary of the two (a padded target's, say)
+        self.vocab = max(m.get_output_embeddings().weight.shape[0] for m in (target, draft) if m is not None)
         self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or SlotKV (EXSPEC, ragged)
         self.target = target
         self.draft = draft
@@ -71,6 +74,15 @@ class ModelRunner:
                 u[row] = torch.rand(count, generator=seq.generator)
         return u.to(self.device)
 
+    def _noise(self, rows: RowSampling, seqs: list[Sequence], count: int) -> torch.Tensor | None:
+        """[B, count, V] Gumbel noise of each row's next `count` positions, computed once per step
+        and shared by the draft's proposals and the target's verification; None when no row needs
+        it (all greedy, or rejection sampling)."""
+        if rows.all_greedy or self.coupling != "gumbel":
+            return None
+        positions = torch.tensor([s.num_tokens for s in seqs], device=self.device)[:, None]
+        return gumbel(rows.seed, positions + torch.arange(count, device=self.device), self.vocab)
+
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return logits.float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -90,8 +102,7 @@ class ModelRunner:
                 self._forward(self.draft, draft_kv, ids, pos, valid, counts, keep=1)
             group = Group(seqs, target_kv, draft_kv)
             rows = group.sampling(self.device)
-            positions = torch.tensor([len(p) for p in prompts], device=self.device)
-            first, _ = self._pick(logits[:, 0], rows, seqs, positions)
+            first, _ = self._pick(logits[:, 0], rows, seqs, self._noise(rows, seqs, 1))
             want_lp = any(s.params.logprobs for s in seqs)
             lp = self._logprobs(logits[:, 0], first).tolist() if want_lp else None
             for row, (seq, token) in enumerate(zip(seqs, first.tolist())):
@@ -124,11 +135,12 @@ class ModelRunner:
         coupled = self._coupled(rows)
         # rejection sampling: one uniform per draft token, per acceptance test, and for the final token
         u = None if coupled else self._uniforms(seqs, 2 * k + 1)
+        noise = self._noise(rows, seqs, k + 1)   # gumbel: positions m .. m+k, draft and target alike
 
         if k > 0:
             self.catch_up_draft(group)
             with self.stats.timer("draft"):
-                draft_tokens, q = self._draft(group, k, rows, u)
+                draft_tokens, q = self._draft(group, k, rows, u, noise)
 
         with self.stats.timer("verify"):
             pending = torch.tensor([[s.pending_token] for s in seqs], device=self.device)
@@ -138,12 +150,12 @@ class ModelRunner:
             valid = torch.ones_like(ids, dtype=torch.bool)
             logits = self._forward(self.target, group.target_kv, ids, pos, valid, [k + 1] * len(seqs), keep=k + 1)
             if coupled:   # the target's token at every position; accept while the draft agrees
-                tokens = coupled_tokens(logits, rows, pos + 1)
+                tokens = coupled_tokens(logits, rows, noise)
                 matches = draft_tokens == tokens[:, :k] if k else tokens[:, :0].bool()
                 num_accepted = matches.long().cumprod(-1).sum(-1)
             elif k == 0:
                 num_accepted = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
-                tokens = self._pick(logits[:, 0], rows, seqs, pos[:, 0] + 1, u[:, 0])[0].unsqueeze(1)
+                tokens = self._pick(logits[:, 0], rows, seqs, u=u[:, 0])[0].unsqueeze(1)
             else:
                 p = probs_from_logits(logits, rows)
                 num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
@@ -171,7 +183,8 @@ class ModelRunner:
         self._count(seqs, k, accepted, committed)
         return StepResult(committed, accepted, k)
 
-    def _draft(self, group: Group, k: int, rows: RowSampling, u: torch.Tensor | None):
+    def _draft(self, group: Group, k: int, rows: RowSampling, u: torch.Tensor | None,
+               noise: torch.Tensor | None):
         """k draft tokens per row (and their distributions when sampling), feeding the draft
         only what its cache lacks."""
         seqs = group.seqs
@@ -181,7 +194,8 @@ class ModelRunner:
         tokens, probs = [], []
         for j in range(k):
             logits = self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)
-            token, q = self._pick(logits[:, 0], rows, seqs, next_pos + j, None if u is None else u[:, j])
+            token, q = self._pick(logits[:, 0], rows, seqs, None if noise is None else noise[:, j:j + 1],
+                                  None if u is None else u[:, j])
             tokens.append(token)
             probs.append(q)
             if j + 1 < k:
@@ -193,12 +207,12 @@ class ModelRunner:
         """True when tokens are argmaxes (greedy, or gumbel noise) and acceptance is agreement."""
         return self.coupling == "gumbel" or rows.all_greedy
 
-    def _pick(self, logits: torch.Tensor, rows: RowSampling, seqs, positions: torch.Tensor, u=None):
-        """Next token per row from [B, V] logits at absolute positions [B]: under the gumbel
-        coupling (or greedy) the argmax, no distribution built; else a sample with its
-        distribution q."""
+    def _pick(self, logits: torch.Tensor, rows: RowSampling, seqs, noise=None, u=None):
+        """Next token per row from [B, V] logits: under the gumbel coupling (or greedy) the
+        argmax, with noise [B, 1, V] of that position, no distribution built; else a sample on
+        uniforms u [B] with its distribution q."""
         if self._coupled(rows):
-            return coupled_tokens(logits[:, None], rows, positions[:, None])[:, 0], None
+            return coupled_tokens(logits[:, None], rows, noise)[:, 0], None
         q = probs_from_logits(logits[:, None], rows)[:, 0]
         u = self._uniforms(seqs, 1)[:, 0] if u is None else u
         return sample(q, u), q

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .noise import gumbel
-
 COUPLINGS = ("gumbel", "rejection")
 
 
@@ -67,20 +65,22 @@ def probs_from_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     return torch.where(rows.greedy[:, None, None], one_hot, processed_logits(logits, rows).softmax(-1))
 
 
-def perturbed_scores(logits: torch.Tensor, rows: RowSampling, positions: torch.Tensor) -> torch.Tensor:
-    """The scores the gumbel coupling maximises: processed logits + g(seed, position, token) for
-    sampled rows, the raw logits for greedy rows. logits [B, T, V]; positions [B, T] are the
-    absolute positions of the tokens being chosen."""
+def perturbed_scores(logits: torch.Tensor, rows: RowSampling, noise: torch.Tensor) -> torch.Tensor:
+    """The scores the gumbel coupling maximises: processed logits + noise for sampled rows, the
+    raw logits for greedy rows. logits [B, T, V]; noise [B, T, >= V], the Gumbel noise of the
+    positions being chosen (noise.gumbel; a token's noise does not depend on the width, so a
+    draft with a smaller vocabulary takes the first V columns)."""
     logits = logits.float()
-    noisy = processed_logits(logits, rows) + gumbel(rows.seed, positions, logits.shape[-1])
+    noisy = processed_logits(logits, rows) + noise[..., :logits.shape[-1]]
     return torch.where(rows.greedy[:, None, None], logits, noisy)
 
 
-def coupled_tokens(logits: torch.Tensor, rows: RowSampling, positions: torch.Tensor) -> torch.Tensor:
-    """[B, T] tokens under the gumbel coupling (the argmax alone for an all-greedy group)."""
+def coupled_tokens(logits: torch.Tensor, rows: RowSampling, noise: torch.Tensor | None) -> torch.Tensor:
+    """[B, T] tokens under the gumbel coupling (the argmax alone for an all-greedy group,
+    which needs no noise)."""
     if rows.all_greedy:
         return logits.argmax(-1)
-    return perturbed_scores(logits, rows, positions).argmax(-1)
+    return perturbed_scores(logits, rows, noise).argmax(-1)
 
 
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from exspec import EngineConfig, LLMEngine, SamplingParams
 from exspec.demo.tiny import build_tokenizer, gpt2, llama, noisy_copy
+from exspec.noise import gumbel
 from exspec.sampler import RowSampling, perturbed_scores
 
 GPT2_MAX_POS = 128
@@ -128,7 +129,8 @@ def _seeded_reference(target_path: str, prompt: tuple, temperature: float, top_p
     with torch.no_grad():
         while len(tokens) - len(prompt) < max_tokens and len(tokens) < max_len:
             logits = model(input_ids=torch.tensor([tokens])).logits[:, -1:]
-            scores = perturbed_scores(logits, rows, torch.tensor([[len(tokens)]]))[0, 0]
+            noise = gumbel(rows.seed, torch.tensor([[len(tokens)]]), logits.shape[-1])
+            scores = perturbed_scores(logits, rows, noise)[0, 0]
             best, second = scores.topk(2).values.tolist()
             gaps.append(best - second)
             tokens.append(int(scores.argmax()))

@@ -11,6 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+import exspec.runner
 import exspec.sampler
 from exspec import EngineConfig, LLMEngine, SamplingParams
 from exspec.noise import gumbel
@@ -103,7 +104,7 @@ def test_residual_replaced_by_p_is_detected(small_vocab_pair, monkeypatch):
 
 
 def test_gumbel_noise_repeated_across_positions_is_detected(small_vocab_pair, monkeypatch):
-    monkeypatch.setattr(exspec.sampler, "gumbel",
+    monkeypatch.setattr(exspec.runner, "gumbel",
                         lambda seeds, positions, vocab: gumbel(seeds, positions * 0, vocab))
     counts, _ = sample_engine(small_vocab_pair, range(SAMPLES), "gumbel")
     pvalue = chi2_pvalue(counts, target_joint(small_vocab_pair[0]))
@@ -120,7 +121,8 @@ def coupled_counts(params: dict) -> torch.Tensor:
     """Draws of the coupled sampler at one position over DRAWS seeds (one row per seed)."""
     rows = RowSampling.from_params([SamplingParams(**params)] * DRAWS, "cpu",
                                    [(2**62 + 7919 * s) if s % 2 else s for s in range(DRAWS)])
-    tokens = coupled_tokens(LOGITS.expand(DRAWS, 1, -1), rows, torch.full((DRAWS, 1), 17))
+    noise = gumbel(rows.seed, torch.full((DRAWS, 1), 17), VOCAB)
+    tokens = coupled_tokens(LOGITS.expand(DRAWS, 1, -1), rows, noise)
     return torch.bincount(tokens[:, 0], minlength=VOCAB).double()
 
 

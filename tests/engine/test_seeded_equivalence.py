@@ -132,3 +132,13 @@ def test_rejection_coupling_is_not_the_target_only_sample(pairs, seeded_referenc
     same = sum(o.token_ids == seeded_reference(pairs["llama", "target"], p, sp)[0]
                for o, p, sp in zip(outs, prompts, params))
     assert same <= 2, f"{same} of 8 rejection-sampled rows equal the gumbel reference"
+
+
+def test_requests_without_a_seed_are_each_their_own_sample(pairs):
+    """No seed: each request draws a fresh one (from the engine's seed), so the same prompt sent
+    three times gives three samples, and a fresh engine with the same seed the same three."""
+    params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    runs = [[o.token_ids for o in make_engine(pairs, "llama", "noisy", method="exspec").generate(
+        [[5, 6, 7]] * 3, params)] for _ in range(2)]
+    assert len({tuple(t) for t in runs[0]}) == 3, f"unseeded requests repeated a sample: {runs[0]}"
+    assert runs[0] == runs[1]
