@@ -130,6 +130,9 @@ def markdown(results: dict, divergences: list[dict]) -> str:
     ]
     lines += findings(results["cells"])
     lines += ["", "## Divergences from the reference", ""]
+    if "rejection" in (cfg.get("sampling_couplings") or []):
+        lines += ["Rejection-sampling cells are left out: they keep the distribution, not the "
+                  "sample (their exact share above says how often they still agree).", ""]
     if not divergences:
         lines.append("None: every row of every run equals the reference token for token.")
     else:
