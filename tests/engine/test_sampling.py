@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 import exspec.runner
 import exspec.sampler
 from exspec import EngineConfig, LLMEngine, SamplingParams
-from exspec.noise import gumbel
+from exspec.noise import gumbel, uniforms
 from exspec.sampler import RowSampling, coupled_tokens, probs_from_logits
 from exspec.demo.tiny import llama
 
@@ -124,6 +124,21 @@ def coupled_counts(params: dict) -> torch.Tensor:
     noise = gumbel(rows.seed, torch.full((DRAWS, 1), 17), VOCAB)
     tokens = coupled_tokens(LOGITS.expand(DRAWS, 1, -1), rows, noise)
     return torch.bincount(tokens[:, 0], minlength=VOCAB).double()
+
+
+def test_noise_is_a_function_of_seed_position_and_token_only():
+    """The same bits alone or in a batch, at any vocabulary width (a padded vocabulary takes a
+    prefix), and different bits for another seed or position; seeds up to 2^63 - 1."""
+    seeds = torch.tensor([0, 1, 2**63 - 1, 987654321])
+    positions = torch.tensor([[0, 1, 2], [0, 1, 2], [5, 6, 2**31 - 1], [40, 41, 42]])
+    batch = uniforms(seeds, positions, 4096)
+    for row in range(4):
+        alone = uniforms(seeds[row:row + 1], positions[row:row + 1, 1:], 1000)
+        assert torch.equal(alone[0], batch[row, 1:, :1000]), f"row {row} depends on its batch"
+    assert not torch.equal(batch[0], batch[1]), "seeds 0 and 1 share their noise"
+    assert not torch.equal(batch[0, 0], batch[0, 1]), "positions 0 and 1 share their noise"
+    assert 0 < float(batch.min()) and float(batch.max()) < 1
+    assert abs(float(batch.mean()) - 0.5) < 0.01 and abs(float(batch.var()) - 1 / 12) < 0.005
 
 
 def test_coupled_sampler_draws_follow_p_with_top_k_top_p_and_minus_inf():

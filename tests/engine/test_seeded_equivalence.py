@@ -7,8 +7,10 @@ the negative control. Temperatures, top-k and top-p vary per row, one row in fiv
 import random
 
 import pytest
+import torch
 
 from exspec import SamplingParams
+from exspec.noise import uniforms
 from exspec.scheduler import Scheduler
 
 from conftest import GPT2_MAX_POS, assert_seeded_equivalent, make_engine, make_prompts, run_schedule
@@ -142,3 +144,24 @@ def test_requests_without_a_seed_are_each_their_own_sample(pairs):
         [[5, 6, 7]] * 3, params)] for _ in range(2)]
     assert len({tuple(t) for t in runs[0]}) == 3, f"unseeded requests repeated a sample: {runs[0]}"
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_noise_bits_on_cuda_equal_the_cpu_bits():
+    seeds = torch.tensor([0, 1, 2**63 - 1, 123456789])
+    positions = torch.tensor([[0, 1], [7, 8], [2**31 - 1, 5], [300, 301]])
+    cpu = uniforms(seeds, positions, 50_000)
+    assert torch.equal(uniforms(seeds.cuda(), positions.cuda(), 50_000).cpu(), cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["exspec", "eqspec"])
+def test_seeded_output_on_cuda_equals_the_cpu_reference(pairs, seeded_reference, method):
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=71, count=8)
+    engine = make_engine(pairs, "llama", "noisy", method=method, device="cuda", max_batch_size=4,
+                         adaptive_k=True)
+    rows = generate_rows(engine, prompts, seeded_params(len(prompts), first_seed=700))
+    ties = assert_seeded_equivalent(rows, seeded_reference, pairs["llama", "target"], label=f"cuda {method}")
+    assert ties <= 1, f"{ties} rows ended at a float tie"
