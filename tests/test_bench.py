@@ -14,7 +14,7 @@ from exspec.demo.tiny import build_demo_pair  # noqa: E402
 NUMBER = (int, float)
 CELL_SCHEMA = {   # key: (allowed types, may be null)
     "method": (str, False), "batch_size": (int, False), "k": (int, False),
-    "adaptive_k": (bool, True), "tokens_per_s": (NUMBER, False), "tokens_per_s_runs": (list, False),
+    "adaptive_k": (bool, True), "sampling_coupling": (str, True), "tokens_per_s": (NUMBER, False), "tokens_per_s_runs": (list, False),
     "speedup_vs_autoregressive": (NUMBER, True), "speedup_vs_batch1": (NUMBER, True),
     "exact_match_share": (NUMBER, False), "prefix_match_mean": (NUMBER, False),
     "acceptance_rate": (NUMBER, True), "mean_accepted_length": (NUMBER, True),
@@ -50,19 +50,23 @@ def check_schema(results: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def bench_run(tmp_path_factory):
+def bench_inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     pair = build_demo_pair(root / "pair")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question_id": i, "category": "code", "turns": [t]}) + "\n"
                                for i, t in enumerate(["def add(a, b):\n", "import os\nimport sys\n"])))
-    out = root / "out"
-    rc = main(["--target", str(pair / "target"), "--draft", str(pair / "draft"),
-               "--tokenizer", str(pair / "tokenizer"), "--prompts", str(prompts),
-               "--num-prompts", "2", "--max-tokens", "6", "-k", "3", "--batch-sizes", "1,2",
-               "--repeats", "1", "--out", str(out), "--no-progress"])
-    assert rc == 0
-    return out
+    return root, ["--target", str(pair / "target"), "--draft", str(pair / "draft"),
+                  "--tokenizer", str(pair / "tokenizer"), "--prompts", str(prompts),
+                  "--num-prompts", "2", "-k", "3", "--batch-sizes", "1,2", "--repeats", "1",
+                  "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def bench_run(bench_inputs):
+    root, args = bench_inputs
+    assert main(args + ["--max-tokens", "6", "--out", str(root / "out")]) == 0
+    return root / "out"
 
 
 def test_bench_writes_the_three_files(bench_run):
@@ -111,3 +115,27 @@ def test_speedups_are_relative_to_autoregressive_and_batch_one(bench_run):
         assert c["speedup_vs_autoregressive"] == pytest.approx(c["tokens_per_s"] / ar["tokens_per_s"])
         b1 = by[c["method"], 1, c["adaptive_k"]]
         assert c["speedup_vs_batch1"] == pytest.approx(c["tokens_per_s"] / b1["tokens_per_s"])
+
+
+def test_sampled_run_compares_both_couplings_with_the_seeded_reference(bench_inputs):
+    """--temperature / --top-p / --sampling-couplings: engine cells per coupling, each row against
+    the target-only seeded output, which the gumbel coupling equals exactly."""
+    root, args = bench_inputs
+    out = root / "sampled"
+    assert main(args + ["--max-tokens", "12", "--temperature", "1.0", "--top-p", "0.95",
+                        "--sampling-couplings", "gumbel,rejection",
+                        "--methods", "autoregressive,exspec", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    check_schema(results)
+    assert results["config"]["greedy"] is False and results["config"]["sampling_couplings"] == ["gumbel", "rejection"]
+    cells = results["cells"]
+    assert {(c["method"], c["sampling_coupling"]) for c in cells} == {
+        (m, c) for m in ("autoregressive", "exspec") for c in ("gumbel", "rejection")}
+    for c in cells:
+        if c["sampling_coupling"] == "gumbel":
+            assert c["exact_match_share"] == 1, c
+        if c["method"] == "exspec" and c["adaptive_k"] is False:   # adaptive k may not draft here
+            assert c["acceptance_rate"] is not None and 0 < c["acceptance_rate"] <= 1, c
+    # rejection sampling keeps the distribution, not the sample: some row differs
+    assert min(c["prefix_match_mean"] for c in cells if c["sampling_coupling"] == "rejection") < 1
+    assert "gumbel" in (out / "results.md").read_text()

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from .faults import Faults
+from .sampler import COUPLINGS
 
 METHODS = ("exspec", "eqspec", "autoregressive")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -34,7 +35,8 @@ class EngineConfig:
     device_map: str | dict | None = None  # spread the target over GPUs (Hugging Face device_map)
     dtype: str = "float32"
     trust_remote_code: bool = False
-    seed: int = 0                         # for requests that sample without a seed of their own
+    seed: int = 0                         # seeds the seeds drawn for requests without their own
+    sampling_coupling: str = "gumbel"     # gumbel | rejection: how draft and target share randomness
     tick_timeout_s: float | None = None   # the Triton adapter's watchdog: a longer tick is fatal
     torch_threads: int | None = None      # intra/inter-op CPU threads; None: OMP_NUM_THREADS or 1 (threads.py)
     fault_injection: dict | None = None   # tests only: see faults.py; off unless set here
@@ -46,6 +48,10 @@ class EngineConfig:
             raise ValueError(f"unknown method {self.method!r}; expected one of {', '.join(METHODS)}")
         if self.method != "autoregressive" and not self.draft_model:
             raise ValueError(f"method {self.method!r} needs a draft_model")
+        if self.sampling_coupling not in COUPLINGS:
+            raise ValueError(f"unknown sampling_coupling {self.sampling_coupling!r}; expected one of "
+                             f"{', '.join(COUPLINGS)} (gumbel: the speculative output equals the "
+                             f"target's own seeded output; rejection: equal in distribution only)")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

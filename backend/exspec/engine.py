@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import itertools
+import random
 import threading
 import traceback
 from collections import deque
@@ -78,7 +79,7 @@ class LLMEngine:
         layout = SlotKV if config.method == "exspec" else PaddedKV
         self.faults = Faults(config.fault_injection)
         self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_,
-                                  layout, self.faults)
+                                  layout, self.faults, config.sampling_coupling)
         self.pool = SequencePool(config, self.runner, self.stats_)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -86,6 +87,7 @@ class LLMEngine:
         self._aborts: set[str] = set()
         self._live_ids: set[str] = set()             # every request not yet finished
         self._auto_ids = itertools.count()
+        self._seeds = random.Random(config.seed)     # for requests that bring no seed
         self._ticks = 0
 
     # -- intake (thread-safe) ---------------------------------------------------------------
@@ -99,9 +101,11 @@ class LLMEngine:
         if max_tokens > self.config.max_output_tokens:
             raise InvalidRequestError(f"max_tokens {max_tokens} exceeds the server limit of "
                                       f"{self.config.max_output_tokens}")
+        with self._lock:   # a fresh seed per unseeded request: each is its own exact sample
+            seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
         seq = Sequence(request_id, prompt_ids, params, max_tokens, self.max_model_len,
                        self.eos_ids, Detokenizer(self.tokenizer, params.stop, start=len(prompt_ids)),
-                       self.config.seed)
+                       seed, self.config.sampling_coupling)
         with self._lock:
             if request_id in self._live_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in flight")

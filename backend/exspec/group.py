@@ -30,7 +30,8 @@ class Group:
 
     def sampling(self, device) -> RowSampling:
         if self._sampling is None:
-            self._sampling = RowSampling.from_params([s.params for s in self.seqs], device)
+            self._sampling = RowSampling.from_params([s.params for s in self.seqs], device,
+                                                     [s.seed for s in self.seqs])
         return self._sampling
 
     @property

@@ -1,7 +1,9 @@
 """ModelRunner: prefill a group, and one speculative (or plain) step on a group (DESIGN §3.3).
 
 step = draft k tokens with the draft's own cache -> verify [pending, d1..dk] in one target pass
--> accept -> commit per row -> cut both caches back to I3. The acceptance rule is in sampler.py.
+-> accept -> commit per row -> cut both caches back to I3. The acceptance rules are in sampler.py:
+greedy rows and the gumbel coupling accept while the draft's token equals the target's; the
+rejection coupling runs speculative rejection sampling.
 Positions are explicit per row (I1) and the attention mask comes from the caches' validity (I2).
 """
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 from .faults import Faults
 from .group import Group
 from .kv import PaddedKV
-from .sampler import RowSampling, accept, probs_from_logits, sample
+from .noise import gumbel
+from .sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
 from .sequence import Sequence
 from .stats import Stats
 
@@ -27,8 +30,11 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, target, draft, pad_id: int, device: str, stats: Stats, kv_layout=PaddedKV,
-                 faults: Faults | None = None):
+                 faults: Faults | None = None, coupling: str = "gumbel"):
         self.faults = faults or Faults(None)
+        self.coupling = coupling     # "gumbel" or "rejection" (sampler.py)
+        # Gumbel noise covers the wider vocabulary of the two (a padded target's, say)
+        self.vocab = max(m.get_output_embeddings().weight.shape[0] for m in (target, draft) if m is not None)
         self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or SlotKV (EXSPEC, ragged)
         self.target = target
         self.draft = draft
@@ -68,6 +74,15 @@ class ModelRunner:
                 u[row] = torch.rand(count, generator=seq.generator)
         return u.to(self.device)
 
+    def _noise(self, rows: RowSampling, seqs: list[Sequence], count: int) -> torch.Tensor | None:
+        """[B, count, V] Gumbel noise of each row's next `count` positions, computed once per step
+        and shared by the draft's proposals and the target's verification; None when no row needs
+        it (all greedy, or rejection sampling)."""
+        if rows.all_greedy or self.coupling != "gumbel":
+            return None
+        positions = torch.tensor([s.num_tokens for s in seqs], device=self.device)[:, None]
+        return gumbel(rows.seed, positions + torch.arange(count, device=self.device), self.vocab)
+
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return logits.float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -87,7 +102,7 @@ class ModelRunner:
                 self._forward(self.draft, draft_kv, ids, pos, valid, counts, keep=1)
             group = Group(seqs, target_kv, draft_kv)
             rows = group.sampling(self.device)
-            first, _ = self._pick(logits[:, 0], rows, seqs)
+            first, _ = self._pick(logits[:, 0], rows, seqs, self._noise(rows, seqs, 1))
             want_lp = any(s.params.logprobs for s in seqs)
             lp = self._logprobs(logits[:, 0], first).tolist() if want_lp else None
             for row, (seq, token) in enumerate(zip(seqs, first.tolist())):
@@ -117,14 +132,15 @@ class ModelRunner:
     def step(self, group: Group, k: int) -> StepResult:
         seqs = group.seqs
         rows = group.sampling(self.device)
-        greedy = rows.all_greedy
-        # one uniform per draft token, per acceptance test, and for the final token
-        u = None if greedy else self._uniforms(seqs, 2 * k + 1)
+        coupled = self._coupled(rows)
+        # rejection sampling: one uniform per draft token, per acceptance test, and for the final token
+        u = None if coupled else self._uniforms(seqs, 2 * k + 1)
+        noise = self._noise(rows, seqs, k + 1)   # gumbel: positions m .. m+k, draft and target alike
 
         if k > 0:
             self.catch_up_draft(group)
             with self.stats.timer("draft"):
-                draft_tokens, q = self._draft(group, k, rows, u)
+                draft_tokens, q = self._draft(group, k, rows, u, noise)
 
         with self.stats.timer("verify"):
             pending = torch.tensor([[s.pending_token] for s in seqs], device=self.device)
@@ -133,13 +149,13 @@ class ModelRunner:
             pos = start[:, None] + torch.arange(k + 1, device=self.device)
             valid = torch.ones_like(ids, dtype=torch.bool)
             logits = self._forward(self.target, group.target_kv, ids, pos, valid, [k + 1] * len(seqs), keep=k + 1)
-            if greedy:   # the rule below with one-hot p and q, without building them
-                tokens = logits.argmax(-1)
+            if coupled:   # the target's token at every position; accept while the draft agrees
+                tokens = coupled_tokens(logits, rows, noise)
                 matches = draft_tokens == tokens[:, :k] if k else tokens[:, :0].bool()
                 num_accepted = matches.long().cumprod(-1).sum(-1)
             elif k == 0:
                 num_accepted = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
-                tokens = self._pick(logits[:, 0], rows, seqs, u[:, 0])[0].unsqueeze(1)
+                tokens = self._pick(logits[:, 0], rows, seqs, u=u[:, 0])[0].unsqueeze(1)
             else:
                 p = probs_from_logits(logits, rows)
                 num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
@@ -167,7 +183,8 @@ class ModelRunner:
         self._count(seqs, k, accepted, committed)
         return StepResult(committed, accepted, k)
 
-    def _draft(self, group: Group, k: int, rows: RowSampling, u: torch.Tensor | None):
+    def _draft(self, group: Group, k: int, rows: RowSampling, u: torch.Tensor | None,
+               noise: torch.Tensor | None):
         """k draft tokens per row (and their distributions when sampling), feeding the draft
         only what its cache lacks."""
         seqs = group.seqs
@@ -177,7 +194,8 @@ class ModelRunner:
         tokens, probs = [], []
         for j in range(k):
             logits = self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)
-            token, q = self._pick(logits[:, 0], rows, seqs, None if u is None else u[:, j])
+            token, q = self._pick(logits[:, 0], rows, seqs, None if noise is None else noise[:, j:j + 1],
+                                  None if u is None else u[:, j])
             tokens.append(token)
             probs.append(q)
             if j + 1 < k:
@@ -185,11 +203,16 @@ class ModelRunner:
                 valid, counts = torch.ones_like(ids, dtype=torch.bool), [1] * len(seqs)
         return torch.stack(tokens, 1), (None if probs[0] is None else torch.stack(probs, 1))
 
-    def _pick(self, logits: torch.Tensor, rows: RowSampling, seqs, u=None):
-        """Next token per row from [B, V] logits: the argmax for an all-greedy group (no
-        distributions built), else a sample with its distribution."""
-        if rows.all_greedy:
-            return logits.argmax(-1), None
+    def _coupled(self, rows: RowSampling) -> bool:
+        """True when tokens are argmaxes (greedy, or gumbel noise) and acceptance is agreement."""
+        return self.coupling == "gumbel" or rows.all_greedy
+
+    def _pick(self, logits: torch.Tensor, rows: RowSampling, seqs, noise=None, u=None):
+        """Next token per row from [B, V] logits: under the gumbel coupling (or greedy) the
+        argmax, with noise [B, 1, V] of that position, no distribution built; else a sample on
+        uniforms u [B] with its distribution q."""
+        if self._coupled(rows):
+            return coupled_tokens(logits[:, None], rows, noise)[:, 0], None
         q = probs_from_logits(logits[:, None], rows)[:, 0]
         u = self._uniforms(seqs, 1)[:, 0] if u is None else u
         return sample(q, u), q

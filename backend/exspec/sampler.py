@@ -1,15 +1,23 @@
-"""Token distributions and the speculative acceptance rule, as pure functions over tensors.
+"""Token distributions and the two couplings of draft and target, as pure functions over tensors.
 
-Greedy rows use one-hot distributions (at the argmax), so one acceptance rule serves greedy and
-sampled rows alike: with one-hot p and q, "accept with min(1, p/q)" is "accept iff the target's
-argmax equals the draft", and the residual is the target's argmax. A group whose rows are all
-greedy takes that shortcut directly (runner.py) and never builds [B, k+1, V] distributions.
+Both couplings process logits the same way (temperature, top-k, top-p: `processed_logits`).
+
+- gumbel (the default): every token is argmax(processed logits + g), with counter-based Gumbel
+  noise g fixed by (request seed, absolute position, token id) (noise.py). That is an exact
+  sample from p, and the draft proposes with the same noise, so verification is the greedy rule
+  (accept while the draft's token equals the target's) and the output is the target-only seeded
+  output token for token, whatever k, batch or schedule. Greedy rows are the same rule without
+  noise.
+- rejection: speculative rejection sampling (accept with min(1, p/q), residual, bonus) on
+  uniforms from a per-request generator; exact in distribution only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+COUPLINGS = ("gumbel", "rejection")
 
 
 @dataclass
@@ -19,28 +27,26 @@ class RowSampling:
     temperature: torch.Tensor  # [B] float (1.0 where greedy, unused there)
     top_k: torch.Tensor        # [B] long, 0 = off
     top_p: torch.Tensor        # [B] float
+    seed: torch.Tensor         # [B] long, the key of each row's Gumbel noise
+    all_greedy: bool           # known on the host: no device sync to take the greedy shortcut
 
     @classmethod
-    def from_params(cls, params_list, device) -> "RowSampling":
+    def from_params(cls, params_list, device, seeds: list[int] | None = None) -> "RowSampling":
         return cls(
             greedy=torch.tensor([p.greedy for p in params_list], device=device),
             temperature=torch.tensor([p.temperature if not p.greedy else 1.0 for p in params_list],
                                      device=device, dtype=torch.float32),
             top_k=torch.tensor([max(p.top_k, 0) for p in params_list], device=device),
             top_p=torch.tensor([p.top_p for p in params_list], device=device, dtype=torch.float32),
+            seed=torch.tensor(seeds or [0] * len(params_list), device=device, dtype=torch.long),
+            all_greedy=all(p.greedy for p in params_list),
         )
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool(self.greedy.all())
 
-
-def probs_from_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
-    """[B, T, V] logits -> [B, T, V] float32 probabilities after temperature, top-k and top-p
-    (one-hot at the argmax for greedy rows of a mixed group)."""
-    logits = logits.float()
-    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    scaled = logits / rows.temperature[:, None, None]
+def processed_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """[B, T, V] logits -> [B, T, V] float32 log p (up to a constant per row) after temperature,
+    top-k and top-p; dropped tokens (and -inf logits) are -inf."""
+    scaled = logits.float() / rows.temperature[:, None, None]
     vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)
@@ -49,9 +55,32 @@ def probs_from_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     # top-p keeps the smallest prefix whose mass reaches top_p (always at least one token)
     drop = drop | ((sorted_probs.cumsum(-1) - sorted_probs) >= rows.top_p[:, None, None])
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = torch.empty_like(scaled).scatter_(-1, order, sorted_logits.softmax(-1))
-    return torch.where(rows.greedy[:, None, None], one_hot, probs)
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def probs_from_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """[B, T, V] logits -> [B, T, V] float32 probabilities after temperature, top-k and top-p
+    (one-hot at the argmax for greedy rows of a mixed group)."""
+    one_hot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(rows.greedy[:, None, None], one_hot, processed_logits(logits, rows).softmax(-1))
+
+
+def perturbed_scores(logits: torch.Tensor, rows: RowSampling, noise: torch.Tensor) -> torch.Tensor:
+    """The scores the gumbel coupling maximises: processed logits + noise for sampled rows, the
+    raw logits for greedy rows. logits [B, T, V]; noise [B, T, >= V], the Gumbel noise of the
+    positions being chosen (noise.gumbel; a token's noise does not depend on the width, so a
+    draft with a smaller vocabulary takes the first V columns)."""
+    logits = logits.float()
+    noisy = processed_logits(logits, rows) + noise[..., :logits.shape[-1]]
+    return torch.where(rows.greedy[:, None, None], logits, noisy)
+
+
+def coupled_tokens(logits: torch.Tensor, rows: RowSampling, noise: torch.Tensor | None) -> torch.Tensor:
+    """[B, T] tokens under the gumbel coupling (the argmax alone for an all-greedy group,
+    which needs no noise)."""
+    if rows.all_greedy:
+        return logits.argmax(-1)
+    return perturbed_scores(logits, rows, noise).argmax(-1)
 
 
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

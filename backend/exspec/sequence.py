@@ -16,7 +16,7 @@ from .params import SamplingParams
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_tokens: int, max_model_len: int, eos_ids: set[int], detokenizer: Detokenizer,
-                 default_seed: int):
+                 seed: int, coupling: str = "gumbel"):
         self.request_id = request_id
         self.params = params
         self.tokens: list[int] = list(prompt_ids)   # prompt + committed output
@@ -40,8 +40,11 @@ class Sequence:
         self.recent_rejections = 0.0
         self.logprobs: list[float] = []
         self.arrival_time = time.monotonic()
-        seed = params.seed if params.seed is not None else default_seed
-        self.generator = None if params.greedy else torch.Generator().manual_seed(seed)
+        # The request's seed (the engine draws one when it gave none): the key of its Gumbel
+        # noise, or the seed of its own generator under rejection sampling.
+        self.seed = seed
+        self.generator = (torch.Generator().manual_seed(seed)
+                          if coupling == "rejection" and not params.greedy else None)
 
     # -- derived quantities -------------------------------------------------------------
     @property

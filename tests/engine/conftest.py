@@ -1,4 +1,5 @@
-"""Tiny seeded model pairs saved in Hugging Face format, and target-only greedy references.
+"""Tiny seeded model pairs saved in Hugging Face format, and target-only references: greedy
+(Hugging Face generate) and seeded sampling (the coupled sampler's definition, re-encoding).
 
 Two target architectures (Llama: RoPE; GPT-2: learned absolute positions) and four drafts each:
 a noisy copy, independent weights, another shape, another architecture on the same vocabulary.
@@ -13,10 +14,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from exspec import EngineConfig, LLMEngine
+from exspec import EngineConfig, LLMEngine, SamplingParams
 from exspec.demo.tiny import build_tokenizer, gpt2, llama, noisy_copy
+from exspec.noise import gumbel
+from exspec.sampler import RowSampling, perturbed_scores
 
 GPT2_MAX_POS = 128
+TIE_GAP = 1e-4   # a perturbed-score gap below this is a float tie: either token is exact
 
 
 def make_prompts(vocab: int, eos: int | None, seed: int = 0, count: int = 16, max_len: int = 40):
@@ -114,6 +118,39 @@ def reference():
     return ref
 
 
+@lru_cache(maxsize=None)
+def _seeded_reference(target_path: str, prompt: tuple, temperature: float, top_p: float,
+                      top_k: int, seed: int, max_tokens: int, max_len: int) -> tuple:
+    model = _load(target_path)
+    eos = model.generation_config.eos_token_id
+    rows = RowSampling.from_params([SamplingParams(temperature=temperature, top_p=top_p,
+                                                   top_k=top_k)], "cpu", [seed])
+    tokens, gaps = list(prompt), []
+    with torch.no_grad():
+        while len(tokens) - len(prompt) < max_tokens and len(tokens) < max_len:
+            logits = model(input_ids=torch.tensor([tokens])).logits[:, -1:]
+            noise = gumbel(rows.seed, torch.tensor([[len(tokens)]]), logits.shape[-1])
+            scores = perturbed_scores(logits, rows, noise)[0, 0]
+            best, second = scores.topk(2).values.tolist()
+            gaps.append(best - second)
+            tokens.append(int(scores.argmax()))
+            if tokens[-1] == eos:
+                break
+    return tuple(tokens[len(prompt):]), tuple(gaps)
+
+
+@pytest.fixture(scope="session")
+def seeded_reference():
+    """Target-only seeded output at batch size 1: each token argmax(log p + g(seed, position)),
+    the whole context re-encoded per token; with the top-2 perturbed-score gap per token."""
+    def ref(target_path, prompt, params: SamplingParams, max_len=256):
+        tokens, gaps = _seeded_reference(target_path, tuple(prompt), params.temperature,
+                                         params.top_p, params.top_k, params.seed,
+                                         params.max_tokens, max_len)
+        return list(tokens), list(gaps)
+    return ref
+
+
 def make_engine(pairs, arch="llama", draft="noisy", **overrides) -> LLMEngine:
     config = dict(target_model=pairs[arch, "target"], draft_model=pairs[arch, draft],
                   tokenizer=pairs["tokenizer"], method="eqspec", num_speculative_tokens=5,
@@ -122,15 +159,63 @@ def make_engine(pairs, arch="llama", draft="noisy", **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**config))
 
 
+def first_difference(got: list[int], expected: list[int]) -> int | None:
+    if got == expected:
+        return None
+    return next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b),
+                min(len(got), len(expected)))
+
+
 def assert_equivalent(outs, prompts, max_tokens, reference, target_path, max_len, label=""):
     """Every row equals target-only greedy, token for token; the message says where not."""
     for i, (out, prompt, mt) in enumerate(zip(outs, prompts, max_tokens)):
         expected = reference(target_path, prompt, mt, max_len)
         assert out.error is None, f"{label} row {i}: {out.error}"
-        if out.token_ids != expected:
-            at = next((j for j, (a, b) in enumerate(zip(out.token_ids, expected)) if a != b),
-                      min(len(out.token_ids), len(expected)))
+        at = first_difference(out.token_ids, expected)
+        if at is not None:
             raise AssertionError(
                 f"{label} row {i} (prompt len {len(prompt)}, max_tokens {mt}) differs at output "
                 f"position {at}: got {out.token_ids[at:at + 5]}, expected {expected[at:at + 5]} "
                 f"(lengths {len(out.token_ids)} vs {len(expected)})")
+
+
+def assert_seeded_equivalent(rows, seeded_reference, target_path, max_len=256, label="") -> int:
+    """rows: (request label, prompt, params, tokens, complete). Every row equals the target-only
+    seeded output (a prefix of it when not complete, e.g. aborted), except after a float tie
+    (reference gap < TIE_GAP) at the first difference; returns how many rows such a tie ended."""
+    ties = 0
+    for name, prompt, params, tokens, complete in rows:
+        expected, gaps = seeded_reference(target_path, prompt, params, max_len)
+        at = first_difference(tokens, expected if complete else expected[:len(tokens)])
+        if at is None:
+            continue
+        if at < min(len(tokens), len(expected)) and gaps[at] < TIE_GAP:
+            ties += 1
+            continue
+        raise AssertionError(
+            f"{label} {name} (prompt len {len(prompt)}, seed {params.seed}, T={params.temperature}, "
+            f"top_p={params.top_p}, top_k={params.top_k}) differs at output position {at}: got "
+            f"{tokens[at:at + 5]}, expected {expected[at:at + 5]} (lengths {len(tokens)} vs "
+            f"{len(expected)}; reference gap there {gaps[at] if at < len(gaps) else None})")
+    return ties
+
+
+def run_schedule(engine, arrivals, aborts, params):
+    """Drive the online API: arrivals[tick] = [(id, prompt)], aborts[tick] = [id]; params is
+    one SamplingParams for all, or a dict by request id."""
+    outputs, finished, aborted_at = {}, {}, {}
+    tick = 0
+    while tick <= max(arrivals) or engine.has_unfinished():
+        for rid, prompt in arrivals.get(tick, []):
+            engine.add_request(rid, prompt, params[rid] if isinstance(params, dict) else params)
+        for rid in aborts.get(tick, []):
+            engine.abort(rid)
+            aborted_at.setdefault(rid, len(outputs.get(rid, [])))
+        for out in engine.step():
+            assert out.request_id not in finished, f"{out.request_id} got a second final output"
+            outputs.setdefault(out.request_id, []).append(out)
+            if out.finished:
+                finished[out.request_id] = out
+        tick += 1
+        assert tick < 2000, "the engine stopped making progress"
+    return outputs, finished, aborted_at

@@ -12,27 +12,7 @@ from exspec import kv as kv_module
 from exspec.runner import ModelRunner
 from exspec.scheduler import AdaptiveK, Scheduler
 
-from conftest import make_engine, make_prompts
-
-
-def run_schedule(engine, arrivals, aborts, params):
-    """Drive the online API: arrivals[tick] = [(id, prompt)], aborts[tick] = [id]."""
-    outputs, finished, aborted_at = {}, {}, {}
-    tick = 0
-    while tick <= max(arrivals) or engine.has_unfinished():
-        for rid, prompt in arrivals.get(tick, []):
-            engine.add_request(rid, prompt, params)
-        for rid in aborts.get(tick, []):
-            engine.abort(rid)
-            aborted_at.setdefault(rid, len(outputs.get(rid, [])))
-        for out in engine.step():
-            assert out.request_id not in finished, f"{out.request_id} got a second final output"
-            outputs.setdefault(out.request_id, []).append(out)
-            if out.finished:
-                finished[out.request_id] = out
-        tick += 1
-        assert tick < 2000, "the engine stopped making progress"
-    return outputs, finished, aborted_at
+from conftest import make_engine, make_prompts, run_schedule
 
 
 @pytest.mark.parametrize("method", ["exspec", "eqspec"])

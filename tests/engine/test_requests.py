@@ -158,6 +158,9 @@ def test_bad_engine_configs_get_clear_errors(pairs, tmp_path):
         EngineConfig(**base, method="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(**base, num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="unknown sampling_coupling 'maximal'; expected one of "
+                                         "gumbel, rejection"):
+        EngineConfig.from_dict({**base, "sampling_coupling": "maximal"})
     with pytest.raises(ValueError, match="unknown engine config keys: colour"):
         EngineConfig.from_dict({**base, "colour": "blue"})
     with pytest.raises(ModelLoadError, match="does not exist"):

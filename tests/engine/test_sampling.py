@@ -1,17 +1,21 @@
-"""Speculative rejection sampling reproduces the target's distribution exactly.
+"""Both couplings reproduce the target's distribution exactly.
 
 A vocabulary of 12 tokens makes the exact joint distribution of the first three output tokens
 computable from the target alone; 20,000 seeded requests through the engine must match it
-(chi-square), with a draft that is rejected often and accepted often (bonus tokens). Replacing
-the residual norm(max(0, p - q)) by p must make the same test fail.
+(chi-square), with a draft that is rejected often and accepted often (bonus tokens).
+- rejection: replacing the residual norm(max(0, p - q)) by p must make the same test fail;
+- gumbel: noise that repeats across positions (the counter ignoring the position) must fail it,
+  and, one token at a time, the sampler's own draws must follow p (top-k, top-p, -inf logits).
 """
 import pytest
 import torch
 from scipy.stats import chisquare
 
+import exspec.runner
 import exspec.sampler
 from exspec import EngineConfig, LLMEngine, SamplingParams
-from exspec.sampler import RowSampling, probs_from_logits
+from exspec.noise import gumbel, uniforms
+from exspec.sampler import RowSampling, coupled_tokens, probs_from_logits
 from exspec.demo.tiny import llama
 
 VOCAB, SAMPLES = 12, 20_000
@@ -52,11 +56,12 @@ def target_joint(target_path) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sample_engine(pair, seeds) -> tuple[torch.Tensor, dict]:
+def sample_engine(pair, seeds, coupling) -> tuple[torch.Tensor, dict]:
     target, draft, tokenizer = pair
     engine = LLMEngine(EngineConfig(target_model=target, draft_model=draft, tokenizer=tokenizer,
                                     method="eqspec", num_speculative_tokens=1, adaptive_k=False,
-                                    max_batch_size=256, max_num_seqs=256, max_queue_len=SAMPLES + 1))
+                                    max_batch_size=256, max_num_seqs=256, max_queue_len=SAMPLES + 1,
+                                    sampling_coupling=coupling))
     outs = engine.generate([PROMPT] * len(seeds),
                            [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, **PARAMS) for s in seeds])
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
@@ -80,8 +85,9 @@ def chi2_pvalue(counts, expected_probs) -> float:
     return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
 
 
-def test_joint_distribution_of_three_tokens_matches_target(small_vocab_pair):
-    counts, stats = sample_engine(small_vocab_pair, range(SAMPLES))
+@pytest.mark.parametrize("coupling", ["rejection", "gumbel"])
+def test_joint_distribution_of_three_tokens_matches_target(small_vocab_pair, coupling):
+    counts, stats = sample_engine(small_vocab_pair, range(SAMPLES), coupling)
     # k = 1: tokens 2-3 come from one speculative step: a rejection (t2 from the residual) or
     # an acceptance (t3 is the bonus token). Both branches must be common.
     accepted_share = stats["acceptance_rate"]
@@ -92,14 +98,67 @@ def test_joint_distribution_of_three_tokens_matches_target(small_vocab_pair):
 
 def test_residual_replaced_by_p_is_detected(small_vocab_pair, monkeypatch):
     monkeypatch.setattr(exspec.sampler, "residual_distribution", lambda p, q: p)
-    counts, _ = sample_engine(small_vocab_pair, range(SAMPLES))
+    counts, _ = sample_engine(small_vocab_pair, range(SAMPLES), "rejection")
     pvalue = chi2_pvalue(counts, target_joint(small_vocab_pair[0]))
     assert pvalue < 1e-6, f"a broken residual went unnoticed (p={pvalue:.2e})"
 
 
-def test_seeded_request_is_independent_of_its_batch(pairs):
+def test_gumbel_noise_repeated_across_positions_is_detected(small_vocab_pair, monkeypatch):
+    monkeypatch.setattr(exspec.runner, "gumbel",
+                        lambda seeds, positions, vocab: gumbel(seeds, positions * 0, vocab))
+    counts, _ = sample_engine(small_vocab_pair, range(SAMPLES), "gumbel")
+    pvalue = chi2_pvalue(counts, target_joint(small_vocab_pair[0]))
+    assert pvalue < 1e-6, f"noise shared by every position went unnoticed (p={pvalue:.2e})"
+
+
+DRAWS = 100_000
+# one row of logits: a -inf entry (a padded vocabulary id), top-k and top-p both binding
+LOGITS = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.7, float("-inf"), 0.3, 0.0, -0.5, -1.0, -2.0, 1.2])
+ONE_TOKEN = dict(temperature=0.8, top_k=8, top_p=0.9)
+
+
+def coupled_counts(params: dict) -> torch.Tensor:
+    """Draws of the coupled sampler at one position over DRAWS seeds (one row per seed)."""
+    rows = RowSampling.from_params([SamplingParams(**params)] * DRAWS, "cpu",
+                                   [(2**62 + 7919 * s) if s % 2 else s for s in range(DRAWS)])
+    noise = gumbel(rows.seed, torch.full((DRAWS, 1), 17), VOCAB)
+    tokens = coupled_tokens(LOGITS.expand(DRAWS, 1, -1), rows, noise)
+    return torch.bincount(tokens[:, 0], minlength=VOCAB).double()
+
+
+def test_noise_is_a_function_of_seed_position_and_token_only():
+    """The same bits alone or in a batch, at any vocabulary width (a padded vocabulary takes a
+    prefix), and different bits for another seed or position; seeds up to 2^63 - 1."""
+    seeds = torch.tensor([0, 1, 2**63 - 1, 987654321])
+    positions = torch.tensor([[0, 1, 2], [0, 1, 2], [5, 6, 2**31 - 1], [40, 41, 42]])
+    batch = uniforms(seeds, positions, 4096)
+    for row in range(4):
+        alone = uniforms(seeds[row:row + 1], positions[row:row + 1, 1:], 1000)
+        assert torch.equal(alone[0], batch[row, 1:, :1000]), f"row {row} depends on its batch"
+    assert not torch.equal(batch[0], batch[1]), "seeds 0 and 1 share their noise"
+    assert not torch.equal(batch[0, 0], batch[0, 1]), "positions 0 and 1 share their noise"
+    assert 0 < float(batch.min()) and float(batch.max()) < 1
+    assert abs(float(batch.mean()) - 0.5) < 0.01 and abs(float(batch.var()) - 1 / 12) < 0.005
+
+
+def test_coupled_sampler_draws_follow_p_with_top_k_top_p_and_minus_inf():
+    p = probs_from_logits(LOGITS.view(1, 1, -1),
+                          RowSampling.from_params([SamplingParams(**ONE_TOKEN)], "cpu"))[0, 0].double()
+    assert torch.isfinite(p).all() and 2 < int((p > 0).sum()) < 8, "top-k and top-p both cut"
+    counts = coupled_counts(ONE_TOKEN)
+    assert counts[p == 0].sum() == 0, f"a token outside top-k / top-p (or -inf) was drawn: {counts}"
+    pvalue = chi2_pvalue(counts, p)
+    assert pvalue > 1e-3, f"coupled draws differ from p (p={pvalue:.2e}): {counts} vs {p * DRAWS}"
+    # negative control: the same draws judged against the distribution at another temperature
+    other = probs_from_logits(LOGITS.view(1, 1, -1), RowSampling.from_params(
+        [SamplingParams(**{**ONE_TOKEN, "temperature": 1.0})], "cpu"))[0, 0].double()
+    assert chi2_pvalue(counts, other) < 1e-6, "the chi-square cannot tell temperature 0.8 from 1.0"
+
+
+def test_rejection_seeded_request_is_independent_of_its_batch(pairs):
     config = dict(target_model=pairs["llama", "target"], draft_model=pairs["llama", "noisy"],
-                  tokenizer=pairs["tokenizer"], method="eqspec", adaptive_k=False, max_batch_size=8)
+                  tokenizer=pairs["tokenizer"], method="eqspec", adaptive_k=False, max_batch_size=8,
+                  sampling_coupling="rejection")
     params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=1234)
     alone = LLMEngine(EngineConfig(**config)).generate([[5, 6, 7]], params)[0].token_ids
     others = [SamplingParams(max_tokens=30, temperature=1.0, seed=s) for s in range(5)]

@@ -13,8 +13,15 @@ the first differing token, relative to the logit range. The analytic ideal of an
 over the steps it actually ran, the measured cost of that step's forwards (CostModel) plus the
 run's measured prefill time.
 
+Sampled runs (--temperature > 0) time the engine's methods once per --sampling-couplings
+entry, prompt i seeded args.seed + i, and compare every row with the target-only seeded output
+(the autoregressive path at batch size 1, gumbel coupling); the Hugging Face baselines are greedy
+only and are left out.
+
     exspec-bench                                  # the demo pair, CPU, defaults (< 10 min)
     exspec-bench --batch-sizes 1,8 --methods autoregressive,exspec --out bench_out/quick
+    exspec-bench --temperature 0.7 --top-p 0.95 --sampling-couplings gumbel,rejection \
+        --methods autoregressive,eqspec,exspec --out bench_out/t07
 """
 from __future__ import annotations
 
@@ -35,8 +42,9 @@ from tqdm.auto import tqdm
 
 from .equivalence import Reference
 from .ideal import CostModel
-from .methods import METHODS, CellKey, HFModels, Prompt, Run, make_method
+from .methods import HF_METHODS, METHODS, CellKey, EngineMethod, HFModels, Prompt, Run, make_method
 from ..models import DTYPES
+from ..sampler import COUPLINGS
 from ..threads import apply_threads, choose_threads
 
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
@@ -62,14 +70,17 @@ def read_prompts(path: Path | None, limit: int) -> list[Prompt]:
 
 
 # -- the cells -------------------------------------------------------------------------------------
-def cell_keys(methods: list[str], batch_size: int, k: int) -> list[CellKey]:
+def cell_keys(methods: list[str], batch_size: int, k: int,
+              couplings: list[str | None] = (None,)) -> list[CellKey]:
+    """Cells of one batch size; engine cells once per coupling (None: a greedy run)."""
     keys = []
     for method in methods:
-        if method in ("autoregressive", "hf_generate"):
-            keys.append(CellKey(method, batch_size, 0, None))
-        elif method in ("eqspec", "exspec") or (method == "hf_assisted" and batch_size == 1):
-            keys.append(CellKey(method, batch_size, k, True))
-            keys.append(CellKey(method, batch_size, k, False))
+        for coupling in (couplings if method not in HF_METHODS else (None,)):
+            if method in ("autoregressive", "hf_generate"):
+                keys.append(CellKey(method, batch_size, 0, None, coupling))
+            elif method in ("eqspec", "exspec") or (method == "hf_assisted" and batch_size == 1):
+                keys.append(CellKey(method, batch_size, k, True, coupling))
+                keys.append(CellKey(method, batch_size, k, False, coupling))
     return keys
 
 
@@ -79,7 +90,8 @@ def summarize(key: CellKey, runs: list[Run], reference: Reference,
     tps_runs = [run.tokens / run.seconds for run in runs]
     exact, prefix, divergences = reference.compare(key, runs)
     cell = {"method": key.method, "batch_size": key.batch_size, "k": key.k,
-            "adaptive_k": key.adaptive_k, "tokens_per_s": statistics.median(tps_runs),
+            "adaptive_k": key.adaptive_k, "sampling_coupling": key.coupling,
+            "tokens_per_s": statistics.median(tps_runs),
             "tokens_per_s_runs": tps_runs, "speedup_vs_autoregressive": None,
             "speedup_vs_batch1": None, "exact_match_share": exact, "prefix_match_mean": prefix,
             "acceptance_rate": None, "mean_accepted_length": None, "realign_share": None,
@@ -104,12 +116,13 @@ def summarize(key: CellKey, runs: list[Run], reference: Reference,
 
 
 def add_speedups(cells: list[dict]) -> None:
-    by = {(c["method"], c["batch_size"], c["k"], c["adaptive_k"]): c for c in cells}
+    by = {(c["method"], c["batch_size"], c["k"], c["adaptive_k"], c["sampling_coupling"]): c
+          for c in cells}
     for c in cells:
-        ar = by.get(("autoregressive", c["batch_size"], 0, None))
+        ar = by.get(("autoregressive", c["batch_size"], 0, None, c["sampling_coupling"]))
         if ar:
             c["speedup_vs_autoregressive"] = c["tokens_per_s"] / ar["tokens_per_s"]
-        b1 = by.get((c["method"], 1, c["k"], c["adaptive_k"]))
+        b1 = by.get((c["method"], 1, c["k"], c["adaptive_k"], c["sampling_coupling"]))
         if b1:
             c["speedup_vs_batch1"] = c["tokens_per_s"] / b1["tokens_per_s"]
 
@@ -128,6 +141,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=100, help="sampled runs: prompt i gets seed + i")
+    ap.add_argument("--sampling-couplings", default="gumbel",
+                    help=f"sampled runs: comma list of {', '.join(COUPLINGS)}, each timed interleaved")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--threads", type=int, default=None,
@@ -142,6 +160,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"unknown methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if min(args.batch_sizes) < 1 or args.k < 1 or args.repeats < 1 or args.num_prompts < 1:
         ap.error("batch sizes, -k, --repeats and --num-prompts must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.seed < 0:
+        ap.error("--temperature must be >= 0, --top-p in (0, 1], --seed >= 0")
+    args.sampling_couplings = [c.strip() for c in args.sampling_couplings.split(",") if c.strip()]
+    if not args.sampling_couplings or set(args.sampling_couplings) - set(COUPLINGS):
+        ap.error(f"--sampling-couplings: a comma list of {', '.join(COUPLINGS)}")
+    if args.temperature > 0:
+        dropped = [m for m in args.methods if m in HF_METHODS]
+        if dropped:
+            warnings.warn(f"sampled run: leaving out {', '.join(dropped)} (greedy baselines)", stacklevel=2)
+        args.methods = [m for m in args.methods if m not in HF_METHODS]
+        if not args.methods:
+            ap.error("a sampled run needs at least one engine method")
     return args
 
 
@@ -219,11 +249,17 @@ def main(argv: list[str] | None = None) -> int:
     if not prompts:
         raise SystemExit("exspec-bench: no usable prompts")
 
-    reference = Reference(hf, prompts, args.max_tokens, progress)
+    sampled = args.temperature > 0
+    reference_ids = None
+    if sampled:   # the target-only seeded output: the autoregressive path, batch 1, gumbel
+        key = CellKey("autoregressive", 1, 0, None, "gumbel")
+        reference_ids = EngineMethod(key, args, len(prompts)).run(prompts, args.max_tokens).outputs
+    reference = Reference(hf, prompts, args.max_tokens, progress, reference_ids)
     typical = round(statistics.mean(len(p.ids) for p in prompts) + args.max_tokens / 2)
     costs = CostModel(hf, typical)
 
-    plan = [(b, cell_keys(args.methods, b, args.k)) for b in args.batch_sizes]
+    couplings = args.sampling_couplings if sampled else [None]
+    plan = [(b, cell_keys(args.methods, b, args.k, couplings)) for b in args.batch_sizes]
     total = sum(len(keys) * (args.repeats + 1) for _, keys in plan)
     runs: dict[CellKey, list[Run]] = {}
     start = time.perf_counter()
@@ -250,14 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     for key, key_runs in tqdm(runs.items(), desc="equivalence", disable=not progress):
         cell, div = summarize(key, key_runs, reference, costs)
         cells.append(cell)
-        divergences += div
+        if key.coupling != "rejection":   # equal in distribution only: every row may differ
+            divergences += div
     add_speedups(cells)
 
     config = {"pair": pair, "target": args.target, "draft": args.draft, "tokenizer": args.tokenizer,
               "prompts": str(args.prompts) if args.prompts else None, "num_prompts": len(prompts),
               "max_tokens": args.max_tokens, "k": args.k, "batch_sizes": args.batch_sizes,
               "methods": args.methods, "repeats": args.repeats, "device": args.device,
-              "dtype": args.dtype, "threads": args.threads, "greedy": True,
+              "dtype": args.dtype, "threads": args.threads, "greedy": not sampled,
+              "temperature": args.temperature, "top_p": args.top_p,
+              "seed": args.seed if sampled else None,
+              "sampling_couplings": couplings if sampled else None,
               "ideal_cache_len": typical, "wall_s": round(time.perf_counter() - began, 1),
               "runs_wall_s": round(bench_seconds, 1)}
     results = {"schema": 1, "command": command, "machine": machine_info(args, costs),

@@ -1,5 +1,7 @@
 """Output equivalence (DESIGN §3.7): every run's rows against target-only greedy Hugging Face
-`generate` at batch size 1, with the reference's top-2 logit gap at every first divergence."""
+`generate` at batch size 1, with the reference's top-2 logit gap at every first divergence; in a
+sampled run, against the target-only seeded output (the engine's autoregressive path, batch 1,
+gumbel coupling), which the gumbel coupling must equal and rejection sampling need not."""
 from __future__ import annotations
 
 from tqdm.auto import tqdm
@@ -17,12 +19,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Reference:
-    """Target-only greedy HF generate at batch size 1, once per prompt; gaps on demand."""
+    """Target-only greedy HF generate at batch size 1, once per prompt; gaps on demand. `ids`:
+    a sampled run's reference outputs instead (no logit gaps then: they are a greedy notion)."""
 
-    def __init__(self, hf: HFModels, prompts: list[Prompt], max_tokens: int, progress: bool):
+    def __init__(self, hf: HFModels, prompts: list[Prompt], max_tokens: int, progress: bool,
+                 ids: list[list[int]] | None = None):
         self.hf, self.prompts = hf, prompts
-        self.ids = [hf.generate([p.ids], max_tokens)[0]
-                    for p in tqdm(prompts, desc="reference (HF generate, batch 1)", disable=not progress)]
+        self.greedy = ids is None
+        self.ids = ids if ids is not None else [
+            hf.generate([p.ids], max_tokens)[0]
+            for p in tqdm(prompts, desc="reference (HF generate, batch 1)", disable=not progress)]
         self._gaps: dict[tuple[int, int], float] = {}
 
     def compare(self, key: CellKey, runs: list[Run]) -> tuple[float, float, list[dict]]:
@@ -37,13 +43,13 @@ class Reference:
                     exact += 1
                     continue
                 gap = None
-                if n < len(ref) and n < len(got):
+                if self.greedy and n < len(ref) and n < len(got):
                     if (i, n) not in self._gaps:
                         self._gaps[i, n] = self.hf.logit_gap(self.prompts[i].ids, ref[:n])
                     gap = self._gaps[i, n]
                 divergences.append({
                     "method": key.method, "batch_size": key.batch_size, "k": key.k,
-                    "adaptive_k": key.adaptive_k, "run": r,
+                    "adaptive_k": key.adaptive_k, "sampling_coupling": key.coupling, "run": r,
                     "question_id": self.prompts[i].question_id, "position": n,
                     "reference_token": ref[n] if n < len(ref) else None,
                     "got_token": got[n] if n < len(got) else None,

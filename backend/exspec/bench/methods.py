@@ -31,12 +31,14 @@ class CellKey:
     batch_size: int
     k: int
     adaptive_k: bool | None   # None: no speculation to adapt
+    coupling: str | None = None   # engine cells of a sampled run: gumbel | rejection
 
     @property
     def label(self) -> str:
+        coupling = "" if self.coupling is None else f", {self.coupling}"
         if self.adaptive_k is None:
-            return self.method
-        return f"{self.method} ({'adaptive k' if self.adaptive_k else f'k={self.k}'})"
+            return self.method + (f" ({self.coupling})" if self.coupling else "")
+        return f"{self.method} ({'adaptive k' if self.adaptive_k else f'k={self.k}'}{coupling})"
 
 
 @dataclass
@@ -57,7 +59,8 @@ def sync(device: str) -> None:
 
 
 class EngineMethod:
-    """One LLMEngine (autoregressive, eqspec or exspec) at one batch size, reused across runs."""
+    """One LLMEngine (autoregressive, eqspec or exspec) at one batch size, reused across runs.
+    Sampled runs give prompt i the seed args.seed + i, so every run asks for the same samples."""
 
     def __init__(self, key: CellKey, args, num_prompts: int):
         self.key = key
@@ -66,13 +69,18 @@ class EngineMethod:
             target_model=args.target, draft_model=args.draft, tokenizer=args.tokenizer,
             method=key.method, num_speculative_tokens=key.k, adaptive_k=bool(key.adaptive_k),
             max_batch_size=key.batch_size, max_num_seqs=max(key.batch_size, num_prompts),
-            device=args.device, dtype=args.dtype, torch_threads=args.threads))
+            device=args.device, dtype=args.dtype, torch_threads=args.threads,
+            sampling_coupling=key.coupling or "gumbel"))
+        self.sampling = dict(temperature=args.temperature, top_p=args.top_p)
+        self.seed = args.seed
 
     def run(self, prompts: list[Prompt], max_tokens: int) -> Run:
         before = self.engine.stats()
         sync(self.device)
         start = time.perf_counter()
-        outs = self.engine.generate([p.ids for p in prompts], SamplingParams(max_tokens=max_tokens))
+        params = [SamplingParams(max_tokens=max_tokens, seed=self.seed + i, **self.sampling)
+                  for i in range(len(prompts))]
+        outs = self.engine.generate([p.ids for p in prompts], params)
         sync(self.device)
         seconds = time.perf_counter() - start
         failed = [o.error for o in outs if o.finish_reason == "error"]

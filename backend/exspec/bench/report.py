@@ -32,9 +32,11 @@ def _pct(value, digits: int = 0) -> str:
 
 
 def label(cell: dict) -> str:
+    coupling = cell.get("sampling_coupling")
     if cell["adaptive_k"] is None:
-        return cell["method"]
-    return f"{cell['method']} ({'adaptive k≤' if cell['adaptive_k'] else 'k='}{cell['k']})"
+        return cell["method"] + (f" ({coupling})" if coupling else "")
+    return (f"{cell['method']} ({'adaptive k≤' if cell['adaptive_k'] else 'k='}{cell['k']}"
+            f"{', ' + coupling if coupling else ''})")
 
 
 def table(cells: list[dict]) -> str:
@@ -61,26 +63,27 @@ def order(cell: dict) -> tuple:
 def findings(cells: list[dict]) -> list[str]:
     """Speculation against autoregressive, batch size by batch size: achieved speedup, the
     analytic ideal's speedup (ideal ÷ ideal) and exspec's realign share relative to eqspec's."""
-    by = {(c["method"], c["batch_size"], c["adaptive_k"]): c for c in cells}
+    by = {(c["method"], c["batch_size"], c["adaptive_k"], c.get("sampling_coupling")): c for c in cells}
     sizes = sorted({c["batch_size"] for c in cells})
+    couplings = sorted({c.get("sampling_coupling") for c in cells}, key=str)
     head = "| × autoregressive (achieved / ideal ÷ ideal) | " + " | ".join(f"B={b}" for b in sizes) + " |"
     lines = [head, "|---|" + "---|" * len(sizes)]
-    for method in ("eqspec", "exspec"):
-        for adaptive in (True, False):
-            row = [by.get((method, b, adaptive)) for b in sizes]
-            if not any(row):
-                continue
-            cells_md = []
-            for b, c in zip(sizes, row):
-                ar = by.get(("autoregressive", b, None))
-                ideal = (c["ideal_tokens_per_s"] / ar["ideal_tokens_per_s"]
-                         if c and ar and c["ideal_tokens_per_s"] and ar["ideal_tokens_per_s"] else None)
-                cells_md.append("–" if c is None else
-                                f"{_num(c['speedup_vs_autoregressive'])} / {_num(ideal)}")
-            lines.append(f"| {label(next(c for c in row if c))} | " + " | ".join(cells_md) + " |")
+    for method, adaptive, coupling in ((m, a, c) for m in ("eqspec", "exspec")
+                                       for a in (True, False) for c in couplings):
+        row = [by.get((method, b, adaptive, coupling)) for b in sizes]
+        if not any(row):
+            continue
+        cells_md = []
+        for b, c in zip(sizes, row):
+            ar = by.get(("autoregressive", b, None, coupling))
+            ideal = (c["ideal_tokens_per_s"] / ar["ideal_tokens_per_s"]
+                     if c and ar and c["ideal_tokens_per_s"] and ar["ideal_tokens_per_s"] else None)
+            cells_md.append("–" if c is None else
+                            f"{_num(c['speedup_vs_autoregressive'])} / {_num(ideal)}")
+        lines.append(f"| {label(next(c for c in row if c))} | " + " | ".join(cells_md) + " |")
     ratios = []
     for b in sizes:
-        ex, eq = by.get(("exspec", b, False)), by.get(("eqspec", b, False))
+        ex, eq = by.get(("exspec", b, False, couplings[0])), by.get(("eqspec", b, False, couplings[0]))
         ok = ex and eq and ex["realign_share"] is not None and eq["realign_share"]
         ratios.append(f"{_pct(ex['realign_share'], 1)} vs {_pct(eq['realign_share'], 1)}" if ok else "–")
     lines.append("| realign share, exspec vs eqspec (fixed k) | " + " | ".join(ratios) + " |")
@@ -89,6 +92,20 @@ def findings(cells: list[dict]) -> list[str]:
                      and c["speedup_vs_autoregressive"] < 1})
     lines += ["", "Slower than autoregressive: " + (", ".join(losing) if losing else "nowhere") + "."]
     return lines
+
+
+def sampling(cfg: dict) -> str:
+    if cfg.get("greedy", True):
+        return "greedy"
+    return (f"sampled at temperature {cfg['temperature']}, top-p {cfg['top_p']} (prompt i seeded "
+            f"{cfg['seed']} + i), couplings {', '.join(cfg['sampling_couplings'])}")
+
+
+def reference_name(cfg: dict) -> str:
+    if cfg.get("greedy", True):
+        return "target-only greedy HF generate at batch size 1"
+    return ("the target-only seeded output (autoregressive, batch size 1, gumbel coupling; "
+            "rejection sampling is not expected to match it)")
 
 
 def markdown(results: dict, divergences: list[dict]) -> str:
@@ -101,11 +118,11 @@ def markdown(results: dict, divergences: list[dict]) -> str:
         f"{machine['torch']}, transformers {machine['transformers']}; {machine['platform']}.", "",
         f"Pair: {cfg['pair']} (target `{cfg['target']}`, draft `{cfg['draft']}`); "
         f"{cfg['num_prompts']} prompts from `{cfg['prompts']}`, max_tokens {cfg['max_tokens']}, "
-        f"greedy, k = {cfg['k']}, {cfg['dtype']} on {cfg['device']}; median of {cfg['repeats']} "
+        f"{sampling(cfg)}, k = {cfg['k']}, {cfg['dtype']} on {cfg['device']}; median of {cfg['repeats']} "
         f"interleaved runs per cell; took {cfg['wall_s']} s.", "",
         "tokens/s = generated tokens ÷ wall seconds; × AR = vs autoregressive at the same batch size; "
-        "× B=1 = vs the same method at batch size 1; exact / prefix = equivalence with target-only "
-        "greedy HF generate at batch size 1; accepted len = committed tokens per row-step (bonus "
+        "× B=1 = vs the same method at batch size 1; exact / prefix = equivalence with "
+        f"{reference_name(cfg)}; accepted len = committed tokens per row-step (bonus "
         "included); realign = share of step time spent forming, splitting or realigning groups; "
         "ideal = analytic ideal from measured forward costs (DESIGN §3.7).", "",
         table(results["cells"]), "",
@@ -113,13 +130,17 @@ def markdown(results: dict, divergences: list[dict]) -> str:
     ]
     lines += findings(results["cells"])
     lines += ["", "## Divergences from the reference", ""]
+    if "rejection" in (cfg.get("sampling_couplings") or []):
+        lines += ["Rejection-sampling cells are left out: they keep the distribution, not the "
+                  "sample (their exact share above says how often they still agree).", ""]
     if not divergences:
         lines.append("None: every row of every run equals the reference token for token.")
     else:
         lines.append("| cell | run | question | position | reference | got | top-2 gap / range | tie |")
         lines.append("|---|---|---|---|---|---|---|---|")
         for d in divergences:
-            cell = {"method": d["method"], "k": d["k"], "adaptive_k": d["adaptive_k"]}
+            cell = {"method": d["method"], "k": d["k"], "adaptive_k": d["adaptive_k"],
+                    "sampling_coupling": d["sampling_coupling"]}
             gap = "–" if d["top2_gap_rel"] is None else f"{d['top2_gap_rel']:.2e}"
             lines.append(f"| {label(cell)} B={d['batch_size']} | {d['run']} | {d['question_id']} "
                          f"| {d['position']} | {d['reference_token']} | {d['got_token']} | {gap} "
