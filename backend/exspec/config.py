@@ -10,6 +10,7 @@ from .faults import Faults
 METHODS = ("exspec", "eqspec", "autoregressive")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAP_POLICIES = ("auto", "balanced", "balanced_low_0", "sequential")
+STREAM_GRANULARITIES = ("token", "step")
 
 
 @dataclass
@@ -36,6 +37,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     seed: int = 0                         # for requests that sample without a seed of their own
     tick_timeout_s: float | None = None   # the Triton adapter's watchdog: a longer tick is fatal
+    stream_granularity: str = "token"     # the Triton adapter streams one response per "token"
+                                          # (as the vLLM backend does) or per engine "step"
     fault_injection: dict | None = None   # tests only: see faults.py; off unless set here
 
     def __post_init__(self):
@@ -68,6 +71,9 @@ class EngineConfig:
                              f"{self.max_num_seqs} sequences {self.max_batch_size} at a time takes "
                              f"{rounds} ticks; raise it to >= {rounds - 1} or lower max_num_seqs")
         Faults(self.fault_injection)   # validates the keys now, at model load
+        if self.stream_granularity not in STREAM_GRANULARITIES:
+            raise ValueError(f"stream_granularity must be one of {', '.join(STREAM_GRANULARITIES)}, "
+                             f"got {self.stream_granularity!r}")
         if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
             raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
 
