@@ -46,7 +46,6 @@ NEUTRAL_KEYS = {
     "logits_processors": (None, None), "guided_decoding": (None, None),
     "structured_outputs": (None, None), "lora_name": (None, None),
 }
-MAX_LOGPROBS = 20   # vLLM's default max_logprobs
 # Request parameters Triton itself or its clients add (the HTTP generate endpoint passes the
 # body's "id" on as one); never sampling parameters.
 _TRANSPORT_PARAMETERS = {"id", "binary_data_output", "binary_data", "binary_data_size", "priority",
