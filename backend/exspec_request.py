@@ -94,7 +94,7 @@ def parse_request(inputs: dict, parameters: str | dict | None,
     prompt = _prompt(inputs)
     sampling = _sampling_json(inputs.get("sampling_parameters"))
     for key, value in _request_parameters(parameters).items():
-        if key in sampling and sampling[key] != value:
+        if key in sampling and not _same_value(key, sampling[key], value):
             raise InvalidRequestError(
                 f"sampling parameter {key!r} given twice with different values "
                 f"(sampling_parameters: {sampling[key]!r}, request parameter: {value!r})")
@@ -218,6 +218,17 @@ def _request_parameters(parameters) -> dict:
         _check_known(key, "request parameters")
         out[key] = value
     return out
+
+
+def _same_value(key: str, a, b) -> bool:
+    """The same value in two spellings? vLLM clients send the sampling_parameters JSON and the
+    same keys as request parameters, where "0" may stand for 0."""
+    if a == b:
+        return True
+    try:
+        return key in SAMPLING_KEYS and coerce(key, a) == coerce(key, b)
+    except InvalidRequestError:
+        return False
 
 
 def _check_known(key: str, where: str) -> None:

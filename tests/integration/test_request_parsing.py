@@ -40,6 +40,15 @@ def test_request_parameter_spellings(raw, expected):
         assert getattr(params, key) == value, key
 
 
+def test_the_same_value_twice_in_two_spellings_is_one_value():
+    # vLLM backend clients send sampling_parameters and the same keys as request parameters
+    sampling = np.array([json.dumps({"temperature": 0, "max_tokens": 4, "stop": ["a"]}).encode()],
+                        dtype=np.object_)
+    parsed = parse({"temperature": "0", "max_tokens": "4", "stop": '["a"]'},
+                   sampling_parameters=sampling)
+    assert (parsed.params.temperature, parsed.params.max_tokens, parsed.params.stop) == (0.0, 4, ["a"])
+
+
 def test_sampling_parameters_json_and_request_parameters_merge():
     sampling = np.array([json.dumps({"max_tokens": 5}).encode()], dtype=np.object_)
     parsed = parse({"temperature": "0.5", "seed": "3"}, sampling_parameters=sampling)
