@@ -15,20 +15,94 @@ PHASES = ("schedule", "prefill", "draft", "verify", "realign", "step")
 OUTCOMES = ("stop", "length", "abort", "cancelled", "error", "rejected")
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 PHASE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
+# The vLLM backend's buckets for its vllm: families (its src/utils/metrics.py)
+VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0]
+VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+VLLM_E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+
+
+def _kinds():
+    """Counter, gauge, histogram: pb_utils has MetricFamily only once the stub runs the model."""
+    return pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.HISTOGRAM
+
+
+class _Families:
+    """Metric families labelled {model, version}; kept alive as long as their metrics."""
+
+    def __init__(self, model: str, version: str):
+        self.labels = {"model": model, "version": str(version)}
+        self.families = []
+
+    def __call__(self, name, kind, description, buckets=None, **extra):
+        fam = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+        self.families.append(fam)
+        kwargs = {"buckets": buckets} if buckets is not None else {}
+        return lambda **more: fam.Metric(labels={**self.labels, **extra, **more}, **kwargs)
+
+
+class VllmMetrics:
+    """The vLLM backend's `vllm:` families with its meaning and buckets, published when
+    config.pbtxt sets REPORT_CUSTOM_METRICS (as for that backend), so its dashboards and alerts
+    work unchanged. Time per output token is one observation per token after the first."""
+
+    def __init__(self, family: _Families, max_model_len: int):
+        C, _, H = _kinds()
+        self.prompt_tokens = family("vllm:prompt_tokens_total", C, "Number of prefill tokens processed.")()
+        self.generation_tokens = family("vllm:generation_tokens_total", C,
+                                        "Number of generation tokens processed.")()
+        self.ttft = family("vllm:time_to_first_token_seconds", H,
+                           "Histogram of time to first token in seconds.", VLLM_TTFT_BUCKETS)()
+        self.tpot = family("vllm:time_per_output_token_seconds", H,
+                           "Histogram of time per output token in seconds.", VLLM_TPOT_BUCKETS)()
+        self.e2e = family("vllm:e2e_request_latency_seconds", H,
+                          "Histogram of end to end request latency in seconds.", VLLM_E2E_BUCKETS)()
+        self.request_prompt_tokens = family("vllm:request_prompt_tokens", H,
+                                            "Number of prefill tokens processed.",
+                                            one_two_five_buckets(max_model_len))()
+        self.request_generation_tokens = family("vllm:request_generation_tokens", H,
+                                                "Number of generation tokens processed.",
+                                                one_two_five_buckets(max_model_len))()
+        self.request_n = family("vllm:request_params_n", H, "Histogram of the n request parameter.",
+                                [1, 2, 5, 10, 20])()
+
+    def first_token(self, seconds: float, prompt_tokens: int) -> None:
+        self.ttft.observe(seconds)
+        self.prompt_tokens.increment(prompt_tokens)
+
+    def tokens(self, count: int, since_last_s: float | None) -> None:
+        """`count` tokens reached the adapter together, `since_last_s` after the request's
+        previous ones (None: the first output, whose first token has no predecessor)."""
+        self.generation_tokens.increment(count)
+        gaps = [0.0] * (count - 1) if since_last_s is None else [since_last_s / count] * count
+        for gap in gaps:
+            self.tpot.observe(gap)
+
+    def finished(self, prompt_tokens: int, output_tokens: int, e2e_s: float) -> None:
+        self.e2e.observe(e2e_s)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(output_tokens)
+        self.request_n.observe(1)   # n > 1 is refused
+
+
+def one_two_five_buckets(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's request-size buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
 
 
 class Metrics:
-    def __init__(self, model: str, version: str):
-        labels = {"model": model, "version": str(version)}
-        self._families = []
-
-        def family(name, kind, description, buckets=None, **extra):
-            fam = pb_utils.MetricFamily(name=name, description=description, kind=kind)
-            self._families.append(fam)
-            kwargs = {"buckets": buckets} if buckets is not None else {}
-            return lambda **more: fam.Metric(labels={**labels, **extra, **more}, **kwargs)
-
-        C, G, H = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.HISTOGRAM
+    def __init__(self, model: str, version: str, vllm_max_model_len: int | None = None):
+        """vllm_max_model_len: also publish the vLLM backend's families (REPORT_CUSTOM_METRICS)."""
+        family = _Families(model, version)
+        self._families = family
+        C, G, H = _kinds()
+        self.vllm = VllmMetrics(family, vllm_max_model_len) if vllm_max_model_len else None
         requests = family("exspec:requests_total", C, "Finished requests by outcome")
         self.requests = {o: requests(outcome=o) for o in OUTCOMES}
         self.prompt_tokens = family("exspec:prompt_tokens_total", C, "Prompt tokens of finished requests")()
@@ -61,8 +135,14 @@ class Metrics:
         self._last: dict = {}
 
     # -- request events (send thread) ------------------------------------------------------
-    def first_token(self, seconds: float) -> None:
+    def first_token(self, seconds: float, prompt_tokens: int) -> None:
         self.ttft.observe(seconds)
+        if self.vllm:
+            self.vllm.first_token(seconds, prompt_tokens)
+
+    def tokens(self, count: int, since_last_s: float | None) -> None:
+        if self.vllm:
+            self.vllm.tokens(count, since_last_s)
 
     def finished(self, outcome: str, prompt_tokens: int, output_tokens: int, e2e_s: float,
                  first_token_s: float | None) -> None:
@@ -72,6 +152,8 @@ class Metrics:
         self.e2e.observe(e2e_s)
         if first_token_s is not None and output_tokens > 1:
             self.tpot.observe((e2e_s - first_token_s) / (output_tokens - 1))
+        if self.vllm:
+            self.vllm.finished(prompt_tokens, output_tokens, e2e_s)
 
     def rejected(self) -> None:
         self.requests["rejected"].increment(1)

@@ -28,16 +28,36 @@ _INT, _FLOAT, _BOOL, _STRS, _INTS = "integer", "number", "boolean", "strings", "
 SAMPLING_KEYS = {
     "max_tokens": _INT, "temperature": _FLOAT, "top_p": _FLOAT, "top_k": _INT, "seed": _INT,
     "stop": _STRS, "stop_token_ids": _INTS, "ignore_eos": _BOOL,
-    "num_speculative_tokens": _INT, "logprobs": _BOOL,
+    "num_speculative_tokens": _INT, "logprobs": _INT,
 }
-# Request parameters Triton's frontends or clients add on their own; never sampling parameters.
-_TRANSPORT_PARAMETERS = {"binary_data_output", "binary_data", "binary_data_size", "priority",
+# vLLM SamplingParams keys exspec does not implement, at the value that leaves vLLM's output
+# unchanged. vLLM backend clients send them at that value (Triton's OpenAI frontend always sends
+# n, frequency_penalty and presence_penalty; older releases best_of), so those are accepted and
+# ignored; any other value is refused. None: only absent or empty (null, [], {}, "") is neutral.
+NEUTRAL_KEYS = {
+    "n": (_INT, 1), "best_of": (_INT, 1), "min_tokens": (_INT, 0),
+    "frequency_penalty": (_FLOAT, 0.0), "presence_penalty": (_FLOAT, 0.0),
+    "repetition_penalty": (_FLOAT, 1.0), "min_p": (_FLOAT, 0.0), "length_penalty": (_FLOAT, 1.0),
+    "use_beam_search": (_BOOL, False), "early_stopping": (_BOOL, False),
+    "include_stop_str_in_output": (_BOOL, False), "skip_special_tokens": (_BOOL, True),
+    "spaces_between_special_tokens": (_BOOL, True), "detokenize": (_BOOL, True),
+    "logit_bias": (None, None), "bad_words": (None, None), "allowed_token_ids": (None, None),
+    "prompt_logprobs": (None, None), "truncate_prompt_tokens": (None, None),
+    "logits_processors": (None, None), "guided_decoding": (None, None),
+    "structured_outputs": (None, None), "lora_name": (None, None),
+}
+# Request parameters Triton itself or its clients add (the HTTP generate endpoint passes the
+# body's "id" on as one); never sampling parameters.
+_TRANSPORT_PARAMETERS = {"id", "binary_data_output", "binary_data", "binary_data_size", "priority",
                          "timeout", "headers", "sequence_id", "sequence_start", "sequence_end",
                          "triton_enable_empty_final_response", "classification"}
 # Set by the unary front model on the requests it forwards through BLS: BLS hands back only an
 # error's message (its code arrives as INTERNAL), so such errors carry their code as a
 # "[INVALID_ARG] " prefix that the front model turns back into the code.
 ERROR_CODE_TAG_PARAMETER = "exspec_tag_error_codes"
+# Word for word the vLLM backend's error, which its clients and CI tests match.
+STREAM_WITH_PROMPT_ERROR = ("Error generating stream: When streaming, `exclude_input_in_output` "
+                            "= False is not allowed.")
 _INT_RE = re.compile(r"^[+-]?\d+$")
 
 
@@ -52,6 +72,7 @@ class ParsedRequest:
     return_num_output_tokens: bool = False
     return_logprobs: bool = False
     return_cumulative_logprob: bool = False
+    logprobs: int | None = None    # the request's `logprobs` (top N); None: the output is null
 
     @property
     def prepend_prompt(self) -> bool:
@@ -73,24 +94,32 @@ def parse_request(inputs: dict, parameters: str | dict | None,
     prompt = _prompt(inputs)
     sampling = _sampling_json(inputs.get("sampling_parameters"))
     for key, value in _request_parameters(parameters).items():
-        if key in sampling and sampling[key] != value:
+        if key in sampling and not _same_value(key, sampling[key], value):
             raise InvalidRequestError(
                 f"sampling parameter {key!r} given twice with different values "
                 f"(sampling_parameters: {sampling[key]!r}, request parameter: {value!r})")
         sampling[key] = value
-    values = {key: coerce(key, value) for key, value in sampling.items()}
-    if flags["return_logprobs"] or flags["return_cumulative_logprob"]:
-        values["logprobs"] = True
+    values = {}
+    for key, value in sampling.items():
+        if value is None:
+            continue   # null: absent, as in vLLM
+        if key in NEUTRAL_KEYS:
+            _check_neutral(key, value)
+        else:
+            values[key] = coerce(key, value)
+    # vLLM's meaning: `logprobs: N` asks for the chosen token's logprob and the top N others;
+    # the `logprobs` output is null without it. cumulative_logprob needs the chosen ones only.
+    logprobs = values.get("logprobs")
+    if logprobs is None and flags["return_cumulative_logprob"]:
+        values["logprobs"] = 0
     params = SamplingParams(**values)   # validates ranges; raises InvalidRequestError
 
     stream = bool(flags.pop("stream"))
     exclude = flags.pop("exclude_input_in_output")
-    if stream and exclude is False:
-        raise InvalidRequestError(
-            "exclude_input_in_output=false is not supported with stream=true: streamed "
-            "responses carry only new text (leave it out or set it to true)")
+    if stream and exclude is False:   # the vLLM backend's condition and words
+        raise InvalidRequestError(STREAM_WITH_PROMPT_ERROR)
     return ParsedRequest(prompt=prompt, params=params, stream=stream,
-                         exclude_input_in_output=exclude,
+                         exclude_input_in_output=exclude, logprobs=logprobs,
                          **{name: bool(value) for name, value in flags.items()})
 
 
@@ -191,10 +220,40 @@ def _request_parameters(parameters) -> dict:
     return out
 
 
+def _same_value(key: str, a, b) -> bool:
+    """The same value in two spellings? vLLM clients send the sampling_parameters JSON and the
+    same keys as request parameters, where "0" may stand for 0."""
+    if a == b:
+        return True
+    try:
+        return key in SAMPLING_KEYS and coerce(key, a) == coerce(key, b)
+    except InvalidRequestError:
+        return False
+
+
 def _check_known(key: str, where: str) -> None:
-    if key not in SAMPLING_KEYS:
+    if key not in SAMPLING_KEYS and key not in NEUTRAL_KEYS:
         raise InvalidRequestError(f"unknown sampling parameter {key!r} in {where}; known: "
-                                  f"{', '.join(sorted(SAMPLING_KEYS))}")
+                                  f"{', '.join(sorted(SAMPLING_KEYS))} (and vLLM's "
+                                  f"{', '.join(sorted(NEUTRAL_KEYS))} at their neutral values)")
+
+
+def _check_neutral(key: str, value) -> None:
+    """A vLLM key exspec does not implement: only the value that changes nothing is accepted."""
+    kind, neutral = NEUTRAL_KEYS[key]
+    if kind is None:
+        ok = value in ("", [], {}) or (isinstance(value, str) and value.strip() in ("null", "[]", "{}"))
+        wanted = "null or empty"
+    else:
+        try:
+            ok = {_BOOL: parse_bool, _INT: _parse_int, _FLOAT: _parse_float}[kind](key, value) == neutral
+        except InvalidRequestError:
+            ok = False
+        wanted = json.dumps(neutral)
+    if not ok:
+        raise InvalidRequestError(f"sampling parameter {key}={value!r} is not supported: exspec "
+                                  f"accepts {key} only as {wanted} (vLLM's neutral value); it "
+                                  f"supports {', '.join(sorted(SAMPLING_KEYS))}")
 
 
 def coerce(key: str, value):

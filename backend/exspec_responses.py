@@ -7,7 +7,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from exspec import EngineBusyError, InvalidRequestError, RequestOutput
+from exspec import EngineBusyError, InvalidRequestError, RequestOutput, TokenLogprob
 
 OUTPUTS = [
     {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
@@ -24,10 +24,10 @@ OUTPUTS = [
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-def response(stream, out: RequestOutput, final: bool, prompt_text):
+def response(stream, out: RequestOutput, final: bool, prompt_text, token_text):
     """One response for `stream` (the adapter's per-request state) from an engine output:
-    this step's delta when streaming, else the whole text so far. `prompt_text()` gives the
-    prompt for prepend_prompt (decoded only when asked)."""
+    this output's delta when streaming, else the whole text so far. `prompt_text()` gives the
+    prompt for prepend_prompt (decoded only when asked); `token_text(id)` one token's text."""
     req = stream.req
     if req.stream:
         text, ids, logprobs = out.text_delta, out.new_token_ids, out.new_logprobs or []
@@ -58,12 +58,26 @@ def response(stream, out: RequestOutput, final: bool, prompt_text):
         tensors.append(pb_utils.Tensor("num_output_tokens",
                                        np.array([num_output], dtype=np.uint32)))
     if req.return_logprobs:
-        tensors.append(pb_utils.Tensor("logprobs", np.array(
-            [json.dumps([float(x) for x in logprobs]).encode()], dtype=np.object_)))
+        value = "null" if req.logprobs is None else logprobs_json(ids, logprobs, token_text)
+        tensors.append(pb_utils.Tensor("logprobs", np.array([value.encode()], dtype=np.object_)))
     if req.return_cumulative_logprob:
         tensors.append(pb_utils.Tensor("cumulative_logprob",
                                        np.array([stream.cumulative_logprob], dtype=np.float32)))
     return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def logprobs_json(ids: list[int], logprobs: list[TokenLogprob], token_text) -> str:
+    """The vLLM backend's format: per token {token_id: {logprob, rank, decoded_token}}, the
+    chosen token first, then the most likely ones (ranks 1..N) not already there."""
+    tokens = []
+    for token_id, lp in zip(ids, logprobs):
+        entries = {token_id: {"logprob": lp.logprob, "rank": lp.rank,
+                              "decoded_token": token_text(token_id)}}
+        for rank, (other, value) in enumerate(lp.top, start=1):
+            entries.setdefault(other, {"logprob": value, "rank": rank,
+                                       "decoded_token": token_text(other)})
+        tokens.append(entries)
+    return json.dumps(tokens)
 
 
 def new_error(message: str, code: str):

@@ -22,6 +22,8 @@ below the exit timeout, so that every stream gets its final response before Trit
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -66,6 +68,7 @@ class Stream:
     prompt_text: str | None              # for prepending when not streaming
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    last_token_at: float | None = None
     texts: list = field(default_factory=list)       # totals, when not streaming
     ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
@@ -142,7 +145,13 @@ class TritonPythonModel:
         self.engine = LLMEngine(engine_config)
         self.tokenizer = self.engine.tokenizer
         self.k = engine_config.num_speculative_tokens if engine_config.speculative else 0
-        self.metrics = Metrics(self.model_name, args["model_version"])
+        self.per_token = engine_config.stream_granularity == "token"
+        # a token's own text, as vLLM decodes logprobs' decoded_token (cached: few ids recur)
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda i: self.tokenizer.decode([i]))
+        # REPORT_CUSTOM_METRICS: the vLLM backend's switch for its vllm: families
+        report_vllm = _parameter(self.model_config, "REPORT_CUSTOM_METRICS").lower() == "true"
+        self.metrics = Metrics(self.model_name, args["model_version"],
+                               self.engine.max_model_len if report_vllm else None)
         self.drain_file, self.drain_timeout_s = _drain_settings(self.model_config)
         if self.drain_file and os.path.exists(self.drain_file):
             os.remove(self.drain_file)   # left by an earlier run of this container: not for us
@@ -217,6 +226,7 @@ class TritonPythonModel:
                     raise EngineBusyError(self._dead)
                 parsed = parse_request(_inputs(request), parameters,
                                        self.engine.config.max_request_bytes)
+                parsed.params.text_per_token = parsed.stream and self.per_token
             except (InvalidRequestError, EngineBusyError) as exc:
                 self.metrics.rejected()
                 send_error(sender, triton_error(exc, tag))
@@ -393,19 +403,20 @@ class TritonPythonModel:
                 self.engine.abort(stream.request_id)
 
     def _on_output(self, stream: Stream, out: RequestOutput):
-        if out.new_token_ids and stream.first_token_at is None:
-            stream.first_token_at = time.monotonic()
-            self.metrics.first_token(stream.first_token_at - stream.arrived)
-        if out.new_logprobs:
-            stream.cumulative_logprob += float(sum(out.new_logprobs))
+        if out.new_token_ids:
+            now = time.monotonic()
+            if stream.first_token_at is None:
+                stream.first_token_at = now
+                self.metrics.first_token(now - stream.arrived, out.num_prompt_tokens)
+            self.metrics.tokens(len(out.new_token_ids), now - stream.last_token_at
+                                if stream.last_token_at is not None else None)
+            stream.last_token_at = now
         if not out.finished:
             if stream.req.stream:
-                if out.new_token_ids:     # one response per step that committed tokens
-                    self._respond(stream, out, final=False)
+                for piece in self._pieces(out):   # only outputs that committed tokens
+                    self._respond(stream, piece, final=False)
             else:
-                stream.texts.append(out.text_delta)
-                stream.ids += out.new_token_ids
-                stream.logprobs += out.new_logprobs or []
+                self._collect(stream, out)
             return
         if out.finish_reason == "abort" or out.finish_reason == "error":
             if stream.cancelled:
@@ -423,16 +434,40 @@ class TritonPythonModel:
                 error = new_error(f"[{code_name(error)}] {error.message()}", code_name(error))
             self._finish_with_error(stream, error, outcome, out)
             return
-        if not stream.req.stream:
-            stream.texts.append(out.text_delta)
-            stream.ids += out.new_token_ids
-            stream.logprobs += out.new_logprobs or []
-        self._respond(stream, out, final=True)
+        if stream.req.stream:
+            pieces = self._pieces(out) or [out]
+            for piece in pieces[:-1]:
+                self._respond(stream, piece, final=False)
+            self._respond(stream, pieces[-1], final=True)
+        else:
+            self._collect(stream, out)
+            self._respond(stream, out, final=True)
         self._streams.pop(stream.request_id, None)
         self._record_finished(stream, out.finish_reason, out)
 
+    def _pieces(self, out: RequestOutput) -> list[RequestOutput]:
+        """A streamed output as responses: one per token (stream_granularity "token", the
+        engine gave each token's text) or the whole step; none when it committed nothing."""
+        if not out.new_token_ids:
+            return []
+        if out.token_texts is None or len(out.new_token_ids) == 1:
+            return [out]
+        return [dataclasses.replace(out, new_token_ids=[token], text_delta=text, token_texts=[text],
+                                    new_logprobs=out.new_logprobs and [out.new_logprobs[i]])
+                for i, (token, text) in enumerate(zip(out.new_token_ids, out.token_texts))]
+
+    def _collect(self, stream: Stream, out: RequestOutput):
+        """Not streaming: the totals the one response will carry."""
+        stream.texts.append(out.text_delta)
+        stream.ids += out.new_token_ids
+        stream.logprobs += out.new_logprobs or []
+        stream.cumulative_logprob += sum(lp.logprob for lp in out.new_logprobs or [])
+
     def _respond(self, stream: Stream, out: RequestOutput, final: bool):
-        self._send(stream, response(stream, out, final, lambda: self._prompt_text(stream)), final)
+        if stream.req.stream:   # cumulative up to this response's last token
+            stream.cumulative_logprob += sum(lp.logprob for lp in out.new_logprobs or [])
+        self._send(stream, response(stream, out, final, lambda: self._prompt_text(stream),
+                                    self.token_text), final)
 
     def _prompt_text(self, stream: Stream) -> str:
         if stream.prompt_text is None:   # the prompt came as input_ids
@@ -494,11 +529,14 @@ class TritonPythonModel:
         pb_utils.Logger.log_info("exspec: finalized")
 
 
+def _parameter(model_config: dict, name: str) -> str:
+    """A config.pbtxt parameter's string_value, stripped; "" when absent."""
+    return model_config.get("parameters", {}).get(name, {}).get("string_value", "").strip()
+
+
 def _drain_settings(model_config: dict) -> tuple[str | None, float]:
     """config.pbtxt parameters drain_file (default: none) and drain_timeout_s (seconds >= 0)."""
-    params = {key: value.get("string_value", "")
-              for key, value in model_config.get("parameters", {}).items()}
-    raw = params.get("drain_timeout_s", "").strip()
+    raw = _parameter(model_config, "drain_timeout_s")
     try:
         timeout = float(raw) if raw else DEFAULT_DRAIN_TIMEOUT_S
     except ValueError:
@@ -506,7 +544,7 @@ def _drain_settings(model_config: dict) -> tuple[str | None, float]:
                          f"got {raw!r}") from None
     if timeout < 0:
         raise ValueError(f"config.pbtxt parameter drain_timeout_s must be >= 0, got {timeout:g}")
-    return params.get("drain_file", "").strip() or None, timeout
+    return _parameter(model_config, "drain_file") or None, timeout
 
 
 def _request_parameters(request) -> dict:

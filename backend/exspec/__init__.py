@@ -5,8 +5,8 @@ The engine is plain PyTorch + transformers and never imports Triton; backend/mod
 from .config import EngineConfig
 from .engine import LLMEngine
 from .errors import EngineBusyError, InvalidRequestError, ModelLoadError
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, RequestOutput, TokenLogprob
 from .params import SamplingParams
 
-__all__ = ["EngineConfig", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["EngineConfig", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "TokenLogprob",
            "InvalidRequestError", "EngineBusyError", "ModelLoadError"]

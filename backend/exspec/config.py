@@ -11,6 +11,7 @@ from .sampler import COUPLINGS
 METHODS = ("exspec", "eqspec", "autoregressive")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAP_POLICIES = ("auto", "balanced", "balanced_low_0", "sequential")
+STREAM_GRANULARITIES = ("token", "step")
 
 
 @dataclass
@@ -39,6 +40,8 @@ class EngineConfig:
     sampling_coupling: str = "gumbel"     # gumbel | rejection: how draft and target share randomness
     tick_timeout_s: float | None = None   # the Triton adapter's watchdog: a longer tick is fatal
     torch_threads: int | None = None      # intra/inter-op CPU threads; None: OMP_NUM_THREADS or 1 (threads.py)
+    stream_granularity: str = "token"     # the Triton adapter streams one response per "token"
+                                          # (as the vLLM backend does) or per engine "step"
     fault_injection: dict | None = None   # tests only: see faults.py; off unless set here
 
     def __post_init__(self):
@@ -78,6 +81,9 @@ class EngineConfig:
         if self.torch_threads is not None and (isinstance(self.torch_threads, bool) or not
                                                isinstance(self.torch_threads, int) or self.torch_threads < 1):
             raise ValueError(f"torch_threads must be an integer >= 1, got {self.torch_threads!r}")
+        if self.stream_granularity not in STREAM_GRANULARITIES:
+            raise ValueError(f"stream_granularity must be one of {', '.join(STREAM_GRANULARITIES)}, "
+                             f"got {self.stream_granularity!r}")
         if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
             raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
 

@@ -24,7 +24,7 @@ from .kv import PaddedKV, SlotKV
 from .models import ModelPair, load_pair, model_devices
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
-from .pool import SequencePool
+from .pool import SequencePool, Touched
 from .runner import ModelRunner
 from .sequence import Sequence
 from .stats import Stats
@@ -168,10 +168,10 @@ class LLMEngine:
             self.release_memory()   # every so often, and whenever the pool has just emptied
         return self._emit(touched)
 
-    def _emit(self, touched: list[tuple[Sequence, list[int], list[float] | None]]):
+    def _emit(self, touched: list[Touched]):
         """One output per sequence per tick, however many times the tick touched it (a fresh
         request is prefilled and may be stepped, even finished, in the same tick)."""
-        merged: dict[str, tuple[Sequence, list[int], list[float] | None]] = {}
+        merged: dict[str, Touched] = {}
         for seq, new_ids, new_lp in touched:
             if seq.request_id in merged:
                 _, ids, lp = merged[seq.request_id]
@@ -183,9 +183,13 @@ class LLMEngine:
         for seq, new_ids, new_lp in merged.values():
             if seq.finished:
                 done.append(seq.request_id)
+            texts = seq.take_token_texts() if seq.params.text_per_token else None
+            rest = seq.detokenizer.take_delta(final=seq.finished)
+            if texts and rest:
+                texts[-1] += rest
             outputs.append(RequestOutput(
                 request_id=seq.request_id, new_token_ids=new_ids,
-                text_delta=seq.detokenizer.take_delta(final=seq.finished),
+                text_delta="".join(texts) if texts else rest, token_texts=texts,
                 finished=seq.finished, finish_reason=seq.finish_reason, error=seq.error,
                 num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
                 num_draft_tokens=seq.num_draft_tokens,

@@ -5,6 +5,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """One output token under the target's raw logits (vLLM's default logprobs mode): its
+    logprob, its rank (1 = the most likely; ties count as vLLM counts them) and, when the request
+    asked for N, the N most likely tokens as (token id, logprob), the most likely first."""
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]           # committed this tick, after stop truncation
@@ -16,7 +26,8 @@ class RequestOutput:
     num_output_tokens: int             # cumulative
     num_draft_tokens: int              # cumulative, proposed for this request
     num_accepted_draft_tokens: int     # cumulative
-    new_logprobs: list[float] | None = None  # target logprobs of new_token_ids when asked for
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, when params.logprobs is set
+    token_texts: list[str] | None = None   # one per new token (joined: text_delta), when asked for
 
 
 @dataclass
@@ -28,4 +39,4 @@ class CompletionOutput:
     error: str | None = None
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
-    logprobs: list[float] | None = None
+    logprobs: list[TokenLogprob] | None = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from .errors import InvalidRequestError
 
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64
+MAX_LOGPROBS = 20   # vLLM's default max_logprobs
 
 
 @dataclass
@@ -20,7 +21,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None  # per-request cap on k; 0 = no speculation
-    logprobs: bool = False              # return the target's logprob of every output token
+    # vLLM's meaning: None = no logprobs; N >= 0 = each output token's logprob and rank under
+    # the target (raw, before temperature / top-k / top-p), plus its N most likely tokens
+    logprobs: int | None = None
+    text_per_token: bool = False        # RequestOutput.token_texts: each new token's own text
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -56,6 +60,10 @@ class SamplingParams:
             bad(f"stop_token_ids allows at most {MAX_STOP_TOKEN_IDS} ids")
         if not isinstance(self.ignore_eos, bool):
             bad(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (how many of the most likely "
+                f"tokens to return beside the chosen one), got {self.logprobs!r}")
         if self.num_speculative_tokens is not None and (
                 not _is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 0):
             bad(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")

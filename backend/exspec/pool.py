@@ -13,12 +13,13 @@ from collections import deque
 
 from .config import EngineConfig
 from .group import Group
+from .outputs import TokenLogprob
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .stats import Stats
 
-Touched = tuple[Sequence, list[int], "list[float] | None"]
+Touched = tuple[Sequence, list[int], "list[TokenLogprob] | None"]
 
 
 class SequencePool:
@@ -87,7 +88,7 @@ class SequencePool:
         except Exception:
             return self._fail(seqs, traceback.format_exc(limit=3))
         self.groups.append(group)
-        touched = [(s, s.output_ids[-1:], s.logprobs[-1:] if s.params.logprobs else None)
+        touched = [(s, s.output_ids[-1:], s.logprobs[-1:] if s.params.logprobs is not None else None)
                    for s in seqs]
         self._retire()
         return touched
@@ -134,7 +135,7 @@ class SequencePool:
         out = []
         for seq, n_before, new in zip(seqs, before, result.committed):
             seq.skipped_ticks = 0
-            lp = seq.logprobs[n_before:] if seq.params.logprobs else None
+            lp = seq.logprobs[n_before:] if seq.params.logprobs is not None else None
             out.append((seq, new, lp))
         return out
 

@@ -15,6 +15,7 @@ import torch
 from .faults import Faults
 from .group import Group
 from .kv import PaddedKV
+from .logprobs import token_logprobs
 from .noise import gumbel
 from .sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
 from .sequence import Sequence
@@ -83,10 +84,6 @@ class ModelRunner:
         positions = torch.tensor([s.num_tokens for s in seqs], device=self.device)[:, None]
         return gumbel(rows.seed, positions + torch.arange(count, device=self.device), self.vocab)
 
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return logits.float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
     # -- prefill --------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> Group:
@@ -103,11 +100,10 @@ class ModelRunner:
             group = Group(seqs, target_kv, draft_kv)
             rows = group.sampling(self.device)
             first, _ = self._pick(logits[:, 0], rows, seqs, self._noise(rows, seqs, 1))
-            want_lp = any(s.params.logprobs for s in seqs)
-            lp = self._logprobs(logits[:, 0], first).tolist() if want_lp else None
+            lp = token_logprobs(logits[:, :1], first[:, None], [s.params.logprobs for s in seqs])
             for row, (seq, token) in enumerate(zip(seqs, first.tolist())):
                 seq.num_cached_target = seq.num_cached_draft = len(seq.tokens)
-                seq.append([token], [lp[row]] if lp else None)
+                seq.append([token], lp[row])
             n = sum(len(p) for p in prompts)
             self.stats.add("prefill_tokens_target", n)
             if self.draft is not None:
@@ -159,8 +155,7 @@ class ModelRunner:
             else:
                 p = probs_from_logits(logits, rows)
                 num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
-            want_lp = any(s.params.logprobs for s in seqs)
-            lp = self._logprobs(logits, tokens).tolist() if want_lp else None
+            lp = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
             # the one host transfer of the step
             host = torch.cat([num_accepted[:, None], tokens], dim=1).tolist()
 
@@ -170,7 +165,7 @@ class ModelRunner:
             a = min(host[row][0], self._row_k(seq, k))
             m = seq.num_tokens
             accepted.append(a)
-            committed.append(seq.append(host[row][1:a + 2], lp[row][:a + 1] if lp else None))
+            committed.append(seq.append(host[row][1:a + 2], lp[row] and lp[row][:a + 1]))
             target_cut.append(k - a)                       # target holds m+k, keeps m+a
             seq.num_cached_target = m + a
             if k > 0:

@@ -10,6 +10,7 @@ import time
 import torch
 
 from .detokenizer import Detokenizer
+from .outputs import TokenLogprob
 from .params import SamplingParams
 
 
@@ -38,7 +39,8 @@ class Sequence:
         # rejections (a step with a < k drafts accepted ends in exactly one rejection).
         self.recent_accepted = 0.0
         self.recent_rejections = 0.0
-        self.logprobs: list[float] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.token_texts: list[str] = []     # per-token text deltas not yet emitted (text_per_token)
         self.arrival_time = time.monotonic()
         # The request's seed (the engine draws one when it gave none): the key of its Gumbel
         # noise, or the seed of its own generator under rejection sampling.
@@ -68,13 +70,15 @@ class Sequence:
         return self.finish_reason is not None
 
     # -- the one method that changes the token list ---------------------------------------
-    def append(self, new_tokens: list[int], logprobs: list[float] | None = None) -> list[int]:
+    def append(self, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Commit tokens in order, stopping at the first stop condition (I5).
 
         Returns the tokens actually committed; anything after the stop point is dropped.
+        With params.text_per_token, each committed token's text delta goes to token_texts.
         """
         committed = []
-        check_text = bool(self.detokenizer.stop)
+        per_token = self.params.text_per_token
+        decode_each = per_token or bool(self.detokenizer.stop)
         for i, token in enumerate(new_tokens):
             self.tokens.append(token)
             committed.append(token)
@@ -82,15 +86,21 @@ class Sequence:
                 self.logprobs.append(logprobs[i])
             if token in self.stop_ids:
                 self.finish_reason = "stop"
-            elif check_text and self.detokenizer.update(self.tokens):
+            elif decode_each and self.detokenizer.update(self.tokens):
                 self.finish_reason = "stop"   # a stop string matched; later tokens are dropped
             elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
                 self.finish_reason = "length"
+            if per_token:
+                self.token_texts.append(self.detokenizer.take_delta(final=self.finished))
             if self.finished:
                 break
-        if not check_text or self.finished:
+        if not decode_each or self.finished:
             self.detokenizer.update(self.tokens)
         return committed
+
+    def take_token_texts(self) -> list[str]:
+        texts, self.token_texts = self.token_texts, []
+        return texts
 
     def observe_acceptance(self, accepted: int, proposed: int, decay: float = 0.8) -> None:
         self.num_draft_tokens += proposed

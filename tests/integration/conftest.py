@@ -8,7 +8,10 @@ and the repository's own config files, and serves three models from one server:
 - scripted       a Llama pair whose greedy output is a fixed multi-lingual string (CJK, emoji
                  and " STOP here" split across byte-level tokens), for the streaming-text tests;
 - small          a GPT-2 pair (learned absolute positions), method eqspec, with a one-slot
-                 pool and queue, for the busy and per-request-k tests.
+                 pool and queue, for the busy and per-request-k tests;
+- stepwise       the exspec pair again, streaming one response per engine step and publishing
+                 the vLLM backend's vllm: metric families (REPORT_CUSTOM_METRICS), for the
+                 drop-in tests.
 """
 from __future__ import annotations
 
@@ -43,6 +46,9 @@ MODELS = {
               "max_num_seqs": 1, "max_queue_len": 1, "default_max_tokens": 8,
               "max_output_tokens": 200},
 }
+
+# The vLLM backend's switch for its vllm: metric families, as its CI appends it to config.pbtxt.
+REPORT_CUSTOM_METRICS = '\nparameters: { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n'
 
 
 def scripted_pair(out: Path, tokenizer, text: str = SCRIPT, seed: int = 7) -> list[int]:
@@ -86,6 +92,8 @@ def build_repository(root: Path) -> Path:
 
     for name, engine in MODELS.items():
         write_model(repo, name, pairs / name, engine)
+    write_model(repo, "stepwise", pairs / "exspec", {**MODELS["exspec"], "stream_granularity": "step"},
+                config_extra=REPORT_CUSTOM_METRICS)
     copy_unary(repo)
     return repo
 

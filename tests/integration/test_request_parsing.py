@@ -40,6 +40,15 @@ def test_request_parameter_spellings(raw, expected):
         assert getattr(params, key) == value, key
 
 
+def test_the_same_value_twice_in_two_spellings_is_one_value():
+    # vLLM backend clients send sampling_parameters and the same keys as request parameters
+    sampling = np.array([json.dumps({"temperature": 0, "max_tokens": 4, "stop": ["a"]}).encode()],
+                        dtype=np.object_)
+    parsed = parse({"temperature": "0", "max_tokens": "4", "stop": '["a"]'},
+                   sampling_parameters=sampling)
+    assert (parsed.params.temperature, parsed.params.max_tokens, parsed.params.stop) == (0.0, 4, ["a"])
+
+
 def test_sampling_parameters_json_and_request_parameters_merge():
     sampling = np.array([json.dumps({"max_tokens": 5}).encode()], dtype=np.object_)
     parsed = parse({"temperature": "0.5", "seed": "3"}, sampling_parameters=sampling)
@@ -55,14 +64,20 @@ def test_sampling_parameters_json_and_request_parameters_merge():
     ({"parameters": {"ignore_eos": 2}}, "ignore_eos must be true or false"),
     ({"parameters": {"stop": '["a", 1]'}}, "stop must be"),
     ({"parameters": {"stop": "[oops"}}, "does not parse"),
-    ({"parameters": {"n": 2}}, "unknown sampling parameter 'n'"),
+    ({"parameters": {"n": 2}}, "n=2 is not supported: exspec accepts n only as 1"),
+    ({"parameters": {"frequency_penalty": "0.5"}}, "frequency_penalty='0.5' is not supported"),
+    ({"parameters": {"logit_bias": {"5": 1}}}, "logit_bias only as null or empty"),
+    ({"parameters": {"lora_name": "sql"}}, "lora_name only as null or empty"),
+    ({"parameters": {"logprobs": 21}}, r"logprobs must be an integer in \[0, 20\]"),
+    ({"parameters": {"logprobs": True}}, "logprobs must be an integer"),
+    ({"parameters": {"banana": 1}}, "unknown sampling parameter 'banana'"),
     ({"sampling_parameters": np.array([b'{"max_tokens": 2}'], dtype=np.object_),
       "parameters": {"max_tokens": 3}}, "given twice"),
     ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "not valid UTF-8"),
     ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "exactly one string"),
     ({"input_ids": np.array([], dtype=np.int64), "text_input": None}, "input_ids is empty"),
     ({"stream": np.array([True]), "exclude_input_in_output": np.array([False])},
-     "exclude_input_in_output=false"),
+     "^Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed.$"),
 ])
 def test_problems_are_named(kwargs, needle):
     parameters = kwargs.pop("parameters", None)
@@ -71,8 +86,43 @@ def test_problems_are_named(kwargs, needle):
 
 
 def test_logprob_outputs_ask_the_engine_for_logprobs():
-    assert parse(return_cumulative_logprob=np.array([True])).params.logprobs
-    assert not parse().params.logprobs
+    assert parse(return_cumulative_logprob=np.array([True])).params.logprobs == 0
+    assert parse().params.logprobs is None
+
+
+@pytest.mark.parametrize("logprobs,return_logprobs,cumulative,engine,output", [
+    (2, True, False, 2, 2),        # top 2 asked and returned
+    (None, True, False, None, None),   # return_logprobs alone: null, as in vLLM
+    (3, False, False, 3, 3),       # asked for but not returned (as in vLLM)
+    (None, False, True, 0, None),  # cumulative_logprob needs the chosen tokens' logprobs only
+    (0, True, True, 0, 0),
+])
+def test_logprobs_key_and_flags(logprobs, return_logprobs, cumulative, engine, output):
+    parsed = parse({} if logprobs is None else {"logprobs": logprobs},
+                   return_logprobs=np.array([return_logprobs]),
+                   return_cumulative_logprob=np.array([cumulative]))
+    assert (parsed.params.logprobs, parsed.logprobs) == (engine, output)
+
+
+# What Triton's OpenAI frontend sends for a plain completion (vLLM's defaults), plus the rest of
+# vLLM's keys at their neutral values, as strings the way gRPC clients send them.
+NEUTRAL_REQUEST = {"n": 1, "best_of": 1, "frequency_penalty": 0, "presence_penalty": 0.0,
+                   "ignore_eos": False, "temperature": 0.0, "top_p": 1.0, "max_tokens": 4,
+                   "repetition_penalty": "1", "min_tokens": "0", "min_p": 0, "logit_bias": {},
+                   "skip_special_tokens": "true", "include_stop_str_in_output": False,
+                   "lora_name": None, "seed": None, "bad_words": [], "stop": None}
+
+
+def test_vllm_neutral_values_are_accepted_and_change_nothing():
+    sampling = np.array([json.dumps(NEUTRAL_REQUEST).encode()], dtype=np.object_)
+    parsed = parse(sampling_parameters=sampling)
+    plain = parse({"temperature": 0.0, "top_p": 1.0, "max_tokens": 4})
+    assert parsed.params == plain.params
+
+
+def test_triton_transport_parameters_are_not_sampling_parameters():
+    # the HTTP generate endpoint passes the body's "id" on as a request parameter
+    assert parse({"id": "42", "max_tokens": 3}).params == parse({"max_tokens": 3}).params
 
 
 def test_prepend_rule():

@@ -59,7 +59,7 @@ valid_values = {
     "stop_token_ids": st.lists(st.integers(0, 30), max_size=3),
     "ignore_eos": st.booleans(),
     "num_speculative_tokens": st.integers(0, 4),
-    "logprobs": st.booleans(),
+    "logprobs": st.integers(0, 5),
 }
 valid_sampling = st.fixed_dictionaries({}, optional=valid_values)
 sampling_dicts = st.one_of(valid_sampling, hostile_sampling)

@@ -34,11 +34,24 @@ class TritonPythonModel:
                           f"{self.target!r} (gRPC stream or HTTP generate_stream)",
                           pb_utils.TritonError.INVALID_ARG)
         tensors = [t for t in (pb_utils.get_input_tensor_by_name(request, name)
-                               for name in self.inputs if name != "stream") if t is not None]
+                               for name in self.inputs if name not in ("stream", "max_tokens"))
+                   if t is not None]
+        parameters = _bls_parameters(request.parameters())
+        # LiteLLM's unary path (TensorRT-LLM's schema) sends max_tokens as an INT32 input
+        max_tokens = pb_utils.get_input_tensor_by_name(request, "max_tokens")
+        if max_tokens is not None:
+            values = np.asarray(max_tokens.as_numpy()).reshape(-1)
+            if values.size != 1:
+                return _error(f"max_tokens must hold exactly one INT32, got {values.size} values",
+                              pb_utils.TritonError.INVALID_ARG)
+            if str(parameters.get("max_tokens", values[0])) != str(values[0]):
+                return _error(f"max_tokens given twice with different values (input: {values[0]}, "
+                              f"parameter: {parameters['max_tokens']})", pb_utils.TritonError.INVALID_ARG)
+            parameters["max_tokens"] = int(values[0])
         forwarded = pb_utils.InferenceRequest(
             model_name=self.target, inputs=tensors,
             requested_output_names=list(request.requested_output_names() or self.outputs),
-            parameters=_bls_parameters(request.parameters()))
+            parameters=parameters)
         result = None
         for response in forwarded.exec(decoupled=True):
             if response.has_error():
