@@ -292,12 +292,17 @@ def stub_pids(marker: str) -> list[int]:
     return sorted(pids)
 
 
-def parse_args(argv: list[str] | None):
+def split_passthrough(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """(own arguments, arguments after `--` for the server we start)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def parse_args(argv: list[str] | None):
+    argv, extra = split_passthrough(argv)
     parser = argparse.ArgumentParser(prog="exspec-serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-repository", required=True)
     parser.add_argument("--http-port", type=int, default=8000)
