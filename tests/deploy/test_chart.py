@@ -335,6 +335,16 @@ def test_openai_frontend_probes_services_and_scrapes_its_port(case):
         [("openai", "/metrics")]
 
 
+@pytest.mark.parametrize("case", sorted(OPENAI_CASES))
+def test_openai_frontend_option_lints_clean(case):
+    helm = need_module("helm_python")
+    values = deep_merge(load_values("gpu"), {"openaiFrontend": {"enabled": True,
+                                                                **OPENAI_CASES[case]}})
+    report = helm.lint(str(CHART), values, strict=True, kube_version="v1.29.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, f"helm lint with the OpenAI frontend {case}: {problems}"
+
+
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_openai_frontend_objects_validate_strictly(version):
     kv = need_module("kubernetes_validate")
