@@ -8,6 +8,9 @@ Prints the URLs once every model is ready (and writes them as JSON to --ready-fi
 non-zero with the log's tail when the server is not ready in time, and stops the server cleanly
 on Ctrl-C / SIGTERM. Tests use `TritonServer` as a context manager. This module never imports
 Triton: it copies files (exspec.serving.install) and runs a process.
+
+For an OpenAI-compatible API instead of KServe's, run Triton's OpenAI frontend with
+`exspec-openai` (exspec.serving.openai_frontend; README "Triton's OpenAI frontend").
 """
 from __future__ import annotations
 
@@ -303,7 +306,10 @@ def split_passthrough(argv: list[str] | None) -> tuple[list[str], list[str]]:
 
 def parse_args(argv: list[str] | None):
     argv, extra = split_passthrough(argv)
-    parser = argparse.ArgumentParser(prog="exspec-serve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="exspec-serve", description=__doc__.split("\n\n")[0],
+        epilog="The OpenAI API (Triton's OpenAI frontend, --backend vllm): exspec-openai "
+               "--model-repository DIR [--frontend DIR] (README \"Triton's OpenAI frontend\").")
     parser.add_argument("--model-repository", required=True)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
