@@ -43,10 +43,10 @@ RUN python3 -m pip install --no-deps . && \
 'transformers', transformers.__version__)"
 
 # Triton's OpenAI-compatible frontend, ready to run (`exspec-openai`, port 9000): the image's
-# in-process bindings (tritonserver, tritonfrontend wheels), the frontend's own pinned
-# requirements, and what it needs beyond them here (uvicorn; jinja2 for chat templates).
-RUN python3 -m pip install /opt/tritonserver/python/tritonserver-*.whl \
-        /opt/tritonserver/python/tritonfrontend-*.whl \
+# in-process bindings (its tritonserver and tritonfrontend wheels, as the frontend's README
+# installs them), the frontend's own pinned requirements, and what it needs beyond them here
+# (uvicorn; jinja2 for chat templates).
+RUN python3 -m pip install /opt/tritonserver/python/triton*.whl \
         -r /opt/tritonserver/python/openai/requirements.txt "uvicorn~=0.54.0" "jinja2~=3.1.6"
 
 # The model repository: exspec (the demo pair; mount your own over /models for a real pair)
