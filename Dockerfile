@@ -5,6 +5,11 @@
 #   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 \
 #       -e EXSPEC_ADMIN_KEY -v ~/.cache/huggingface:/root/.cache/huggingface exspec
 #
+# Triton's OpenAI-compatible frontend instead, on port 9000 (KServe HTTP/gRPC kept beside it by
+# the frontend's --enable-kserve-frontends; leave that out for OpenAI only):
+#   docker run --gpus all --shm-size=1g -p 9000:9000 -p 8000:8000 -p 8001:8001 exspec \
+#       exspec-openai --model-repository /models -- --enable-kserve-frontends
+#
 # Base: the newest Triton release whose notes we found (26.09, CUDA 13.4). Its images are
 # Ubuntu 24.04 with Python 3.12, and its Python backend stub is built for that Python, so torch
 # and the engine go into the system Python. The image ships no torch: we install the pinned
@@ -38,11 +43,18 @@ RUN python3 -m pip install --no-deps . && \
     python3 -c "import torch, transformers, exspec; print('torch', torch.__version__, \
 'transformers', transformers.__version__)"
 
+# Triton's OpenAI-compatible frontend, ready to run (`exspec-openai`, port 9000): the image's
+# in-process bindings (its tritonserver and tritonfrontend wheels, as the frontend's README
+# installs them), the frontend's own pinned requirements, and what it needs beyond them here
+# (uvicorn; jinja2 for chat templates).
+RUN python3 -m pip install /opt/tritonserver/python/triton*.whl \
+        -r /opt/tritonserver/python/openai/requirements.txt "uvicorn~=0.54.0" "jinja2~=3.1.6"
+
 # The model repository: exspec (the demo pair; mount your own over /models for a real pair)
 # and exspec_unary (unary inference through BLS).
 COPY model_repository/ /models/
 
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 9000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD python3 -c "import urllib.request, sys; \
 sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4).status != 200)"

@@ -161,6 +161,8 @@ def train_tokenizer(texts, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from exspec.demo.tiny import CHAT_TEMPLATE
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -171,6 +173,7 @@ def train_tokenizer(texts, vocab_size: int):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS,
                                    pad_token=EOS, unk_token=None, padding_side="left",
                                    model_max_length=2048, clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE   # saved as chat_template.jinja
     return fast
 
 

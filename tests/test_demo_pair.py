@@ -45,6 +45,7 @@ def _check_pair(root: Path):
     tok_t = AutoTokenizer.from_pretrained(root / "target")
     assert tok.get_vocab() == tok_t.get_vocab()
     assert tok.eos_token == "<|endoftext|>" and tok.pad_token_id == tok.eos_token_id
+    _check_chat_template(tok)
     target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32)
     draft = AutoModelForCausalLM.from_pretrained(root / "draft", dtype=torch.float32)
     assert target.dtype == torch.float32 and draft.dtype == torch.float32
@@ -60,6 +61,19 @@ def _check_pair(root: Path):
         assert needle in card
     metrics = json.loads((root / "metrics.json").read_text())
     return tok, target, draft, prompts, metrics
+
+
+def _check_chat_template(tok):
+    """Chat clients (Triton's OpenAI frontend renders chats with the tokenizer's template) get
+    the plain template: a one-message chat is exactly that completion prompt."""
+    assert tok.chat_template, "the demo tokenizer has no chat template"
+    one = tok.apply_chat_template([{"role": "user", "content": "def f(x):"}], tokenize=False,
+                                  add_generation_prompt=True)
+    assert one == "def f(x):", f"one-message chat rendered as {one!r}"
+    two = tok.apply_chat_template([{"role": "system", "content": "helpers"},
+                                   {"role": "user", "content": "def f(x):"}], tokenize=False,
+                                  add_generation_prompt=True)
+    assert two == "# helpers\ndef f(x):", f"system + user chat rendered as {two!r}"
 
 
 def _total_bytes(root: Path):

@@ -38,4 +38,4 @@ def test_the_wheel_holds_every_module_of_the_engine_package(tmp_path):
     for name, target in scripts["console_scripts"].items():
         module = target.split(":")[0].replace(".", "/") + ".py"
         assert module in names, f"console script {name} points at {target}, not in the wheel"
-    assert set(scripts["console_scripts"]) == {"exspec-serve", "exspec-bench"}
+    assert set(scripts["console_scripts"]) == {"exspec-serve", "exspec-openai", "exspec-bench"}

@@ -88,6 +88,8 @@ SCHEMA_VIOLATIONS = {
     "shm size not a quantity": {"shmSize": "lots"},
     "admin header gRPC cannot carry": {"adminApi": {"header": "X-Admin-Key"}},
     "admin secret not a name": {"adminApi": {"existingSecret": "My Secret"}},
+    "openai port on a KServe port": {"openaiFrontend": {"enabled": True, "port": 8001}},
+    "unknown openai frontend key": {"openaiFrontend": {"host": "0.0.0.0"}},
 }
 
 
@@ -341,6 +343,78 @@ def test_opting_out_renders_no_restriction_and_no_secret():
     c = container(docs)
     assert not restrictions(c) and "EXSPEC_ADMIN_KEY" not in {e["name"] for e in c["env"]}
     assert not [d for d in docs if d["kind"] == "Secret"]
+
+
+# -- the OpenAI frontend option ------------------------------------------------------------
+OPENAI_CASES = {"beside KServe": {"kserve": True}, "alone": {"kserve": False}}
+
+
+def openai_docs(case: str) -> list[dict]:
+    return render(deep_merge(load_values("gpu"), {
+        "openaiFrontend": {"enabled": True, "port": 9100, **OPENAI_CASES[case]}}))
+
+
+@pytest.mark.parametrize("case", sorted(OPENAI_CASES))
+def test_openai_frontend_option_runs_the_entry_point_on_its_port(case):
+    """The container runs exspec-openai with arguments its own parser takes, on the chosen
+    port, and keeps the KServe ports only when asked."""
+    from exspec.serving.openai_frontend import parse_args
+    c = container(openai_docs(case))
+    assert c["command"] == ["exspec-openai"]
+    args, frontend_args = parse_args(c["args"])
+    assert (args.model_repository, args.openai_port) == ("/models", 9100)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    if OPENAI_CASES[case]["kserve"]:
+        assert ports == {"openai": 9100, "http": 8000, "grpc": 8001}
+        assert frontend_args == ["--enable-kserve-frontends", "--kserve-http-port=8000",
+                                 "--kserve-grpc-port=8001"]
+    else:
+        assert ports == {"openai": 9100} and frontend_args == []
+    assert not any(a.startswith("--exit-timeout-secs") for a in c["args"]), \
+        "tritonserver flags must not reach the frontend"
+
+
+@pytest.mark.parametrize("case", sorted(OPENAI_CASES))
+def test_openai_frontend_probes_services_and_scrapes_its_port(case):
+    docs = openai_docs(case)
+    c = container(docs)
+    assert c["startupProbe"]["httpGet"] == {"path": "/health/ready", "port": "openai"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": "openai"}
+    assert c["livenessProbe"]["tcpSocket"] == {"port": "openai"}
+    budget = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+    assert budget >= load_values("gpu")["startupSeconds"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for service in (d for d in docs if d["kind"] == "Service"):
+        targets = {p["targetPort"]: p["port"] for p in service["spec"]["ports"]}
+        assert targets.get("openai") == 9100, service["metadata"]["name"]
+        assert set(targets) <= set(ports), f"{service['metadata']['name']} targets {targets}"
+        assert all(targets[name] == ports[name] for name in targets)
+    (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["podMetricsEndpoints"]] == \
+        [("openai", "/metrics")]
+
+
+@pytest.mark.parametrize("case", sorted(OPENAI_CASES))
+def test_openai_frontend_option_lints_clean(case):
+    helm = need_module("helm_python")
+    values = deep_merge(load_values("gpu"), {"openaiFrontend": {"enabled": True,
+                                                                **OPENAI_CASES[case]}})
+    report = helm.lint(str(CHART), values, strict=True, kube_version="v1.29.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, f"helm lint with the OpenAI frontend {case}: {problems}"
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_openai_frontend_objects_validate_strictly(version):
+    kv = need_module("kubernetes_validate")
+    for case in OPENAI_CASES:
+        for doc in openai_docs(case):
+            try:
+                kv.validate(doc, version, strict=True)
+            except kv.SchemaNotFoundError:
+                assert (doc["apiVersion"], doc["kind"]) in CUSTOM_RESOURCES
+            except kv.ValidationError as exc:
+                pytest.fail(f"{case}: {doc['kind']}: {'.'.join(map(str, exc.path))}: {exc.message}")
 
 
 # -- KServe ----------------------------------------------------------------------------------

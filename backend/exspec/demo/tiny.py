@@ -30,6 +30,17 @@ _CORPUS = [
 ]
 
 
+# A plain chat template for code-completion toys (the demo pair, the test pairs): system messages
+# become Python comments, the other messages' contents follow one per line, and the model
+# continues right after the last one, so a one-message chat is the same prompt as a completion.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if not loop.first %}{{ '\\n' }}{% endif -%}"
+    "{%- if message['role'] == 'system' %}{{ '# ' }}{% endif -%}"
+    "{{ message['content'] }}"
+    "{%- endfor -%}")
+
+
 def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer: every byte is a token, plus a few merges and one EOS."""
     tok = Tokenizer(models.BPE())
@@ -39,8 +50,10 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS,
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS,
                                    pad_token=EOS, unk_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def llama(vocab_size: int, seed: int, layers: int = 2, hidden: int = 64, heads: int = 4,

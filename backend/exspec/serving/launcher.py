@@ -10,6 +10,9 @@ once every model is ready (and writes them as JSON to --ready-file), exits non-z
 log's tail when the server is not ready in time, and stops the server cleanly on Ctrl-C /
 SIGTERM. Tests use `TritonServer` as a context manager. This module never imports
 Triton: it copies files (exspec.serving.install) and runs a process.
+
+For an OpenAI-compatible API instead of KServe's, run Triton's OpenAI frontend with
+`exspec-openai` (exspec.serving.openai_frontend; README "Triton's OpenAI frontend").
 """
 from __future__ import annotations
 
@@ -319,13 +322,21 @@ def _host_argument(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None   # argparse shows only this type
 
 
-def parse_args(argv: list[str] | None):
+def split_passthrough(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """(own arguments, arguments after `--` for the server we start)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
-    parser = argparse.ArgumentParser(prog="exspec-serve", description=__doc__.split("\n\n")[0])
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def parse_args(argv: list[str] | None):
+    argv, extra = split_passthrough(argv)
+    parser = argparse.ArgumentParser(
+        prog="exspec-serve", description=__doc__.split("\n\n")[0],
+        epilog="The OpenAI API (Triton's OpenAI frontend, --backend vllm): exspec-openai "
+               "--model-repository DIR [--frontend DIR] (README \"Triton's OpenAI frontend\").")
     parser.add_argument("--model-repository", required=True)
     parser.add_argument("--host", type=_host_argument, default="127.0.0.1",
                         help="IPv4 address HTTP, gRPC and metrics listen on (default 127.0.0.1: "
