@@ -15,6 +15,7 @@ from collections import deque
 
 import torch
 
+from .architecture import check_servable
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .errors import EngineBusyError, InvalidRequestError
@@ -27,6 +28,7 @@ from .pool import SequencePool
 from .runner import ModelRunner
 from .sequence import Sequence
 from .stats import Stats
+from .vocab import PaddedVocab, check_vocabularies
 
 
 def _load_libc():
@@ -61,6 +63,10 @@ class LLMEngine:
         """`pair`: models already loaded (e.g. by another engine) to share instead of loading."""
         self.config = config
         pair = pair or load_pair(config)
+        check_servable(pair.target, "target", config.method)
+        if pair.draft is not None:
+            check_servable(pair.draft, "draft", config.method)
+            check_vocabularies(pair.target, pair.draft, pair.tokenizer)
         self.pair = pair
         self.tokenizer = pair.tokenizer
         self.target, self.draft = pair.target, pair.draft
@@ -76,7 +82,8 @@ class LLMEngine:
         layout = SlotKV if config.method == "exspec" else PaddedKV
         self.faults = Faults(config.fault_injection)
         self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_,
-                                  layout, self.faults)
+                                  layout, self.faults,
+                                  PaddedVocab.of(self.target, self.draft, self.tokenizer, pad_id))
         self.pool = SequencePool(config, self.runner, self.stats_)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
