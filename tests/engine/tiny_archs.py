@@ -96,11 +96,14 @@ def tiny_config(config_class, base: dict | None = None) -> PreTrainedConfig:
         return config_class(**{**kwargs, "layer_types": list(default.layer_types[:layers])})
 
 
-def build(model_type: str, seed: int = 0):
-    """(target, draft): seeded random weights, the draft a noisy copy."""
+def build(model_type: str, seed: int = 0, **config):
+    """(target, draft): seeded random weights, the draft a noisy copy; `config` overrides."""
     cls = model_class(model_type)
     torch.manual_seed(seed)
-    target = _init(cls(tiny_config(cls.config_class)))
+    small = tiny_config(cls.config_class)
+    for key, value in config.items():
+        setattr(small, key, value)
+    target = _init(cls(small))
     draft = noisy_copy(target, seed + 1)
     for model in (target, draft):
         if hasattr(model, "set_default_language"):   # X-MOD: one adapter per language
