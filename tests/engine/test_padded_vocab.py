@@ -110,3 +110,36 @@ def test_vocabularies_that_really_differ_are_refused_naming_all_sizes(tokenizer)
     with pytest.raises(ModelLoadError, match=r"target has 336 logits, draft has 300, the "
                                              r"tokenizer has 320 tokens"):
         run(target, draft, tokenizer, "eqspec", [[1, 2]])
+
+
+def word_tokenizer(size: int):
+    """A tokenizer of exactly `size` tokens, so a model with more logit rows is padded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+
+
+def test_sampling_keeps_the_target_distribution_with_padding_rows(tmp_path):
+    """test_sampling's chi-square test of the joint distribution of three tokens, on a 12-token
+    tokenizer with a 12-row draft and a 14-row target whose two padding rows get real
+    probability: q padded with zeros keeps the rejection rule exact, padding ids included."""
+    from test_sampling import SAMPLES, VOCAB, chi2_pvalue, sample_engine, target_joint
+    padded = VOCAB + 2
+    target = llama(padded, seed=33, layers=2, hidden=32, heads=2, kv_heads=1)
+    draft = llama(VOCAB, seed=34, layers=1, hidden=32, heads=2, kv_heads=1)
+    with torch.no_grad():   # flat distributions: frequent rejections
+        target.lm_head.weight.mul_(0.12)
+        draft.lm_head.weight.mul_(0.12)
+    for name, model in (("target", target), ("draft", draft)):
+        model.config.eos_token_id = model.generation_config.eos_token_id = None
+        model.save_pretrained(tmp_path / name)
+    word_tokenizer(VOCAB).save_pretrained(tmp_path / "tokenizer")
+    pair = tuple(str(tmp_path / name) for name in ("target", "draft", "tokenizer"))
+    counts, stats = sample_engine(pair, range(SAMPLES), vocab=padded)
+    assert 0.10 <= stats["acceptance_rate"] <= 0.70, stats["acceptance_rate"]
+    padding_drawn = counts.sum() - counts[:VOCAB, :VOCAB, :VOCAB].sum()
+    assert padding_drawn > SAMPLES * 0.02, f"padding ids drawn {padding_drawn:.0f} times"
+    pvalue = chi2_pvalue(counts, target_joint(pair[0], vocab=padded))
+    assert pvalue > 1e-3, f"engine samples differ from the target distribution (p={pvalue:.2e})"
