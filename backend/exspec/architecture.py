@@ -20,7 +20,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_
 from .errors import ModelLoadError
 
 # transformers' cache layer types (cache_utils.DYNAMIC_LAYER_TYPE_MAPPING) other than
-# "full_attention" (and "dummy": layers that cache nothing), each with why it is refused
+# "full_attention", each with why it is refused
 RECURRENT_LAYERS = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}
 SLIDING_LAYERS = {"sliding_attention", "chunked_attention"}
 INDEXED_LAYERS = {"indexed_attention"}
@@ -69,7 +69,10 @@ def _check(model, method: str) -> None:
     if layer_types & INDEXED_LAYERS:
         raise Refused("it has sparse (indexed) attention layers, whose indexer cache the KV "
                       "layouts cannot cut back or realign")
-    unknown = layer_types - {"full_attention", "dummy"}
+    if "dummy" in layer_types:   # kv.new_cache builds one DynamicLayer per layer, or refuses
+        raise Refused("it has layers that share another layer's KV cache or cache nothing, "
+                      "which the KV layouts do not model")
+    unknown = layer_types - {"full_attention"}
     if unknown:
         raise Refused(f"it has {', '.join(sorted(unknown))} cache layers, which the KV layouts "
                       "cannot cut back or realign")
