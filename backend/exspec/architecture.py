@@ -13,17 +13,12 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
 
 from .errors import ModelLoadError
+from .kv import cache_layer_classes
 
-# transformers' cache layer types (cache_utils.DYNAMIC_LAYER_TYPE_MAPPING) other than
-# "full_attention", each with why it is refused
-RECURRENT_LAYERS = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}
-SLIDING_LAYERS = {"sliding_attention", "chunked_attention"}
-INDEXED_LAYERS = {"indexed_attention"}
 ENCODER_DECODER_TYPES = set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES) | set(
     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
 # ALiBi built from the 2D attention mask's cumulative sum: right for EQSPEC's 2D mask, not
@@ -59,26 +54,32 @@ def _check(model, method: str) -> None:
     if cfg.is_encoder_decoder or cfg.model_type in ENCODER_DECODER_TYPES or _has_cross_attention(model):
         raise Refused("it is (the decoder of) an encoder-decoder model: its layers attend to an "
                       "encoder's output, which a causal-LM pair does not have")
-    layer_types = set(_layer_types(text))
-    if getattr(model, "_is_stateful", False) or layer_types & RECURRENT_LAYERS:
-        raise Refused("it has linear-attention or state-space (recurrent) layers, whose state "
-                      "cannot be cut back to a row's accepted tokens")
-    if layer_types & SLIDING_LAYERS or "local" in (getattr(text, "attention_layers", None) or []):
-        raise Refused("it has sliding-window (or chunked) attention layers, which the KV layouts "
-                      "cannot mask per layer yet")
-    if layer_types & INDEXED_LAYERS:
-        raise Refused("it has sparse (indexed) attention layers, whose indexer cache the KV "
-                      "layouts cannot cut back or realign")
-    if "dummy" in layer_types:   # kv.new_cache builds one DynamicLayer per layer, or refuses
-        raise Refused("it has layers that share another layer's KV cache or cache nothing, "
-                      "which the KV layouts do not model")
-    unknown = layer_types - {"full_attention"}
-    if unknown:
-        raise Refused(f"it has {', '.join(sorted(unknown))} cache layers, which the KV layouts "
-                      "cannot cut back or realign")
+    recurrent = Refused("it has linear-attention or state-space (recurrent) layers, whose "
+                        "state cannot be cut back to a row's accepted tokens")
+    if getattr(model, "_is_stateful", False):
+        raise recurrent
     if "cache" not in params:
         raise Refused("its forward takes no KV cache (`cache`), so tokens cannot be appended "
                       "to a row")
+    try:
+        layers = {cls.__name__ for cls in cache_layer_classes(model)}
+    except Exception as exc:   # noqa: BLE001  (new_cache would raise the same at a request)
+        raise Refused(f"transformers builds no KV cache from its config "
+                      f"({type(exc).__name__}: {exc})") from None
+    if any("LinearAttention" in name for name in layers):
+        raise recurrent
+    if "DynamicSlidingWindowLayer" in layers or "local" in (getattr(text, "attention_layers", None) or []):
+        raise Refused("it has sliding-window (or chunked) attention layers, which the KV layouts "
+                      "cannot mask per layer yet")
+    if "DynamicIndexedLayer" in layers:
+        raise Refused("it has sparse (indexed) attention layers, whose indexer cache the KV "
+                      "layouts cannot cut back or realign")
+    if "DummyLayer" in layers:
+        raise Refused("it has layers that share another layer's KV cache or cache nothing, "
+                      "which the KV layouts do not model")
+    if layers - {"DynamicLayer"}:
+        raise Refused(f"it has {', '.join(sorted(layers - {'DynamicLayer'}))} cache layers, "
+                      "which the KV layouts cannot cut back or realign")
     if cfg.model_type in MASK_REWRITTEN_FOR_IMAGES:
         raise Refused("it widens a 2D attention mask over image-patch cache entries even for "
                       "text-only input, which misaligns padded rows")
@@ -92,13 +93,6 @@ def _check(model, method: str) -> None:
     problem = _probe(model, takes_positions="position_ids" in params)
     if problem:
         raise Refused(problem)
-
-
-def _layer_types(text_config) -> list[str]:
-    try:
-        return get_layer_types_and_kwargs(text_config)[0]
-    except (AttributeError, TypeError, ValueError):
-        return []
 
 
 def _has_cross_attention(model) -> bool:

@@ -32,6 +32,7 @@ REASONS = {   # a phrase of each refusal message (architecture.py)
     "indexed": "sparse (indexed) attention layers",
     "encoder-decoder": "encoder-decoder model",
     "no-cache": "takes no KV cache",
+    "no-cache-config": "builds no KV cache from its config",
     "no-positions": "takes no position ids",
     "positions-offset": "own positions are not 0, 1, 2",
     "bidirectional": "attention is bidirectional",
@@ -56,6 +57,7 @@ for reason, types in {
                        "moss_transcribe_diarize musicgen mvp pegasus plbart prophetnet trocr "
                        "whisper",
     "no-cache": "openai-gpt reformer xlnet",
+    "no-cache-config": "blt",
     "no-positions": "cpmant musicgen_melody roformer",
     "positions-offset": "camembert data2vec-text roberta roberta-prelayernorm xlm-roberta xmod "
                         "xlm-roberta-xl",
@@ -66,8 +68,6 @@ for reason, types in {
     REFUSED.update(dict.fromkeys(types.split(), reason))
 
 COULD_NOT_BUILD = {   # model type -> (what building it raises, or "" when not tried; why)
-    "blt": ("", "its byte-level patcher and global transformer take minutes to build on a CPU "
-                "even with small shapes (not tried here)"),
     "dbrx": ("has no attribute 'rope_theta'", "its default attention sub-config has no "
              "rope_theta in transformers 5.24.0 (and given one, its FFN keeps hidden size 2048)"),
     "gemma3n": ("requires the timm library", "its vision tower needs timm, which is not a "

@@ -21,6 +21,7 @@ SMALL = dict(
     num_key_value_heads=2, intermediate_size=128, head_dim=16, max_position_embeddings=256,
     pad_token_id=0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
     vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,   # Gemma 3n / 4
+    hidden_size_global=64, encoder_hash_byte_group_vocab=VOCAB,          # BLT
     is_decoder=True,   # BERT-style types are causal LMs only as decoders (their own warning)
     # mixtures of experts
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
