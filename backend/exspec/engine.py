@@ -16,6 +16,7 @@ from collections import deque
 
 import torch
 
+from .architecture import check_servable
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .errors import EngineBusyError, InvalidRequestError
@@ -29,6 +30,7 @@ from .runner import ModelRunner
 from .sequence import Sequence
 from .stats import Stats
 from .threads import apply_threads, choose_threads
+from .vocab import PaddedVocab, check_vocabularies
 
 
 def _load_libc():
@@ -64,6 +66,10 @@ class LLMEngine:
         self.config = config
         self.threads = apply_threads(choose_threads(config.torch_threads))   # before any kernel
         pair = pair or load_pair(config)
+        check_servable(pair.target, "target", config.method)
+        if pair.draft is not None:
+            check_servable(pair.draft, "draft", config.method)
+            check_vocabularies(pair.target, pair.draft, pair.tokenizer)
         self.pair = pair
         self.tokenizer = pair.tokenizer
         self.target, self.draft = pair.target, pair.draft
@@ -79,7 +85,9 @@ class LLMEngine:
         layout = SlotKV if config.method == "exspec" else PaddedKV
         self.faults = Faults(config.fault_injection)
         self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_,
-                                  layout, self.faults, config.sampling_coupling)
+                                  layout, self.faults,
+                                  PaddedVocab.of(self.target, self.draft, self.tokenizer, pad_id),
+                                  config.sampling_coupling)
         self.pool = SequencePool(config, self.runner, self.stats_)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)

@@ -23,6 +23,12 @@ from transformers.cache_utils import DynamicLayer
 from .errors import ModelLoadError
 
 
+def cache_layer_classes(model) -> set[type]:
+    """The layer classes of the cache transformers builds for this model (what new_cache
+    builds); architecture.py refuses at load what new_cache would refuse at a request."""
+    return {type(layer) for layer in DynamicCache(config=model.config).layers}
+
+
 def new_cache(model) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     if any(type(layer) is not DynamicLayer for layer in cache.layers):

@@ -107,15 +107,6 @@ def _eos_ids(tokenizer, model) -> set[int]:
     return set()
 
 
-def check_vocabularies(target, draft) -> None:
-    """Draft and target may differ in every shape but the vocabulary (the logit rows)."""
-    vt = target.get_output_embeddings().weight.shape[0]
-    vd = draft.get_output_embeddings().weight.shape[0]
-    if vt != vd:
-        raise ModelLoadError(f"draft and target vocabularies differ: target has {vt} logits, "
-                             f"draft has {vd}; speculative decoding needs one shared tokenizer")
-
-
 def load_pair(config: EngineConfig) -> ModelPair:
     draft = None
     if config.method != "autoregressive" and config.draft_model:
@@ -124,8 +115,6 @@ def load_pair(config: EngineConfig) -> ModelPair:
     target = load_model(config.target_model, config, "target", config.device_map)
     if config.device_map is not None:
         check_spread(target, config.device)
-    if draft is not None:
-        check_vocabularies(target, draft)
     tokenizer = load_tokenizer(config.tokenizer or config.target_model, config)
     limits = [m for m in (_max_positions(target), draft and _max_positions(draft)) if m]
     max_len = min(limits) if limits else 4096

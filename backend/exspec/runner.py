@@ -20,6 +20,7 @@ from .noise import gumbel
 from .sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
 from .sequence import Sequence
 from .stats import Stats
+from .vocab import PaddedVocab
 
 
 @dataclass
@@ -31,11 +32,14 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, target, draft, pad_id: int, device: str, stats: Stats, kv_layout=PaddedKV,
-                 faults: Faults | None = None, coupling: str = "gumbel"):
+                 faults: Faults | None = None, vocab: PaddedVocab | None = None,
+                 coupling: str = "gumbel"):
         self.faults = faults or Faults(None)
+        self.vocab = vocab           # set when draft and target differ by padding rows
         self.coupling = coupling     # "gumbel" or "rejection" (sampler.py)
         # Gumbel noise covers the wider vocabulary of the two (a padded target's, say)
-        self.vocab = max(m.get_output_embeddings().weight.shape[0] for m in (target, draft) if m is not None)
+        self.noise_width = max(m.get_output_embeddings().weight.shape[0]
+                               for m in (target, draft) if m is not None)
         self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or SlotKV (EXSPEC, ragged)
         self.target = target
         self.draft = draft
@@ -60,11 +64,15 @@ class ModelRunner:
 
     def _forward(self, model, kv, ids, pos, valid, counts: list[int], keep: int):
         self.faults.before_forward()
+        to_target_vocab = self.vocab is not None and model is self.draft
+        if to_target_vocab:
+            ids = self.vocab.draft_ids(ids)
         out = model(input_ids=ids, attention_mask=kv.attention_mask(valid, counts), position_ids=pos,
                     cache=kv.cache, use_cache=True, logits_to_keep=keep)
         kv.appended(valid, counts)
         # a target spread over GPUs ends on its last GPU; sampling lives on the engine's device
-        return out.logits.to(self.device)
+        logits = out.logits.to(self.device)
+        return self.vocab.draft_logits(logits) if to_target_vocab else logits
 
     def _uniforms(self, seqs: list[Sequence], count: int) -> torch.Tensor:
         """[B, count] uniforms: each sampled row draws from its own seeded generator, in order,
@@ -82,7 +90,7 @@ class ModelRunner:
         if rows.all_greedy or self.coupling != "gumbel":
             return None
         positions = torch.tensor([s.num_tokens for s in seqs], device=self.device)[:, None]
-        return gumbel(rows.seed, positions + torch.arange(count, device=self.device), self.vocab)
+        return gumbel(rows.seed, positions + torch.arange(count, device=self.device), self.noise_width)
 
     # -- prefill --------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -165,7 +165,7 @@ def test_bad_engine_configs_get_clear_errors(pairs, tmp_path):
         EngineConfig.from_dict({**base, "colour": "blue"})
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLMEngine(EngineConfig(**{**base, "draft_model": str(tmp_path / "nope")}))
-    other = llama(len(build_tokenizer()) + 7, seed=5)
-    other.save_pretrained(tmp_path / "wide")
+    other = llama(len(build_tokenizer()) - 7, seed=5)   # fewer rows than tokens: not padding
+    other.save_pretrained(tmp_path / "narrow")
     with pytest.raises(ModelLoadError, match="vocabularies differ"):
-        LLMEngine(EngineConfig(**{**base, "draft_model": str(tmp_path / "wide")}))
+        LLMEngine(EngineConfig(**{**base, "draft_model": str(tmp_path / "narrow")}))

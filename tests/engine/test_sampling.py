@@ -38,7 +38,7 @@ def small_vocab_pair(tmp_path_factory, pairs):
     return str(root / "target"), str(root / "draft"), pairs["tokenizer"]
 
 
-def target_joint(target_path) -> torch.Tensor:
+def target_joint(target_path, vocab: int = VOCAB) -> torch.Tensor:
     """P(t1, t2, t3 | prompt) under the same temperature / top-k / top-p transform."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
@@ -51,12 +51,12 @@ def target_joint(target_path) -> torch.Tensor:
         return probs_from_logits(logits, rows)[:, 0].double()
 
     p1 = dist([PROMPT])[0]
-    p2 = dist([PROMPT + [a] for a in range(VOCAB)])
-    p3 = dist([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]).view(VOCAB, VOCAB, VOCAB)
+    p2 = dist([PROMPT + [a] for a in range(vocab)])
+    p3 = dist([PROMPT + [a, b] for a in range(vocab) for b in range(vocab)]).view(vocab, vocab, vocab)
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sample_engine(pair, seeds, coupling) -> tuple[torch.Tensor, dict]:
+def sample_engine(pair, seeds, coupling, vocab: int = VOCAB) -> tuple[torch.Tensor, dict]:
     target, draft, tokenizer = pair
     engine = LLMEngine(EngineConfig(target_model=target, draft_model=draft, tokenizer=tokenizer,
                                     method="eqspec", num_speculative_tokens=1, adaptive_k=False,
@@ -64,7 +64,7 @@ def sample_engine(pair, seeds, coupling) -> tuple[torch.Tensor, dict]:
                                     sampling_coupling=coupling))
     outs = engine.generate([PROMPT] * len(seeds),
                            [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, **PARAMS) for s in seeds])
-    counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    counts = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
     for o in outs:
         assert len(o.token_ids) == 3, o
         counts[tuple(o.token_ids)] += 1

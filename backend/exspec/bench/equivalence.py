@@ -4,9 +4,34 @@ sampled run, against the target-only seeded output (the engine's autoregressive 
 gumbel coupling), which the gumbel coupling must equal and rejection sampling need not."""
 from __future__ import annotations
 
+import math
+
+import torch
 from tqdm.auto import tqdm
 
 from .methods import CellKey, HFModels, Run
+
+
+FLOAT32_TIE = 1e-4   # DESIGN §3.7: a top-2 gap below this share of the logit range
+TIE_ULPS = 4         # bf16 / fp16: a top-2 gap within this many ulps at the top logit
+
+
+def ulp(value: float, dtype: str) -> float:
+    """The spacing of `dtype` numbers at |value| (bfloat16 keeps 8 significant bits, float16
+    11), i.e. how far apart two logits of that size can round."""
+    eps = torch.finfo(getattr(torch, dtype)).eps
+    return eps * 2.0 ** math.floor(math.log2(abs(value))) if value else eps
+
+
+def is_near_tie(top: float, second: float, spread: float, dtype: str) -> bool:
+    """Whether a first divergence is explained by rounding: the reference's top-2 logit gap is
+    below 1e-4 of the logit range in float32, and within TIE_ULPS ulps of the dtype at the top
+    logit's magnitude in bfloat16 / float16 (batched GEMMs round differently from batch-1 ones
+    on a GPU, and one ulp there is ~0.4% of the logit)."""
+    gap = top - second
+    if dtype == "float32":
+        return spread > 0 and gap / spread < FLOAT32_TIE
+    return gap <= TIE_ULPS * ulp(top, dtype)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -29,7 +54,7 @@ class Reference:
         self.ids = ids if ids is not None else [
             hf.generate([p.ids], max_tokens)[0]
             for p in tqdm(prompts, desc="reference (HF generate, batch 1)", disable=not progress)]
-        self._gaps: dict[tuple[int, int], float] = {}
+        self._top_two: dict[tuple[int, int], tuple[float, float, float]] = {}
 
     def compare(self, key: CellKey, runs: list[Run]) -> tuple[float, float, list[dict]]:
         """(exact_match_share, prefix_match_mean, divergences) over every row of every run."""
@@ -42,18 +67,22 @@ class Reference:
                 if ref == got:
                     exact += 1
                     continue
-                gap = None
+                top_two = None
                 if self.greedy and n < len(ref) and n < len(got):
-                    if (i, n) not in self._gaps:
-                        self._gaps[i, n] = self.hf.logit_gap(self.prompts[i].ids, ref[:n])
-                    gap = self._gaps[i, n]
+                    if (i, n) not in self._top_two:
+                        self._top_two[i, n] = self.hf.top_two(self.prompts[i].ids, ref[:n])
+                    top_two = self._top_two[i, n]
+                top, second, spread = top_two or (None, None, None)
                 divergences.append({
                     "method": key.method, "batch_size": key.batch_size, "k": key.k,
                     "adaptive_k": key.adaptive_k, "sampling_coupling": key.coupling, "run": r,
                     "question_id": self.prompts[i].question_id, "position": n,
                     "reference_token": ref[n] if n < len(ref) else None,
                     "got_token": got[n] if n < len(got) else None,
-                    "reference_len": len(ref), "got_len": len(got), "top2_gap_rel": gap,
-                    "float_tie": gap is not None and gap < 1e-4})
+                    "reference_len": len(ref), "got_len": len(got),
+                    "top2_gap": None if top_two is None else top - second,
+                    "top2_gap_rel": None if top_two is None or not spread else (top - second) / spread,
+                    "top2_gap_ulps": None if top_two is None else (top - second) / ulp(top, self.hf.dtype),
+                    "float_tie": top_two is not None and is_near_tie(top, second, spread, self.hf.dtype)})
         rows = len(prefix)
         return exact / rows, sum(prefix) / rows, divergences

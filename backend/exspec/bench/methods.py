@@ -109,6 +109,7 @@ class HFModels:
     def __init__(self, args):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         dtype = DTYPES[args.dtype]
+        self.dtype = args.dtype
         self.device = args.device
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         self.target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
@@ -143,13 +144,13 @@ class HFModels:
         return [self.trim(row[width:]) for row in out.tolist()]
 
     @torch.inference_mode()
-    def logit_gap(self, prompt: list[int], prefix: list[int]) -> float:
-        """Reference top-2 logit gap at the next token after prompt + prefix, ÷ the logit range."""
+    def top_two(self, prompt: list[int], prefix: list[int]) -> tuple[float, float, float]:
+        """The reference's (top logit, second logit, logit range) at the next token after
+        prompt + prefix, in float32, from logits in the target's own dtype."""
         ids = torch.tensor([prompt + prefix], device=self.device)
         logits = self.target(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
         top = logits.topk(2).values
-        spread = float(logits.max() - logits.min())
-        return float(top[0] - top[1]) / spread if spread > 0 else 0.0
+        return float(top[0]), float(top[1]), float(logits.max() - logits.min())
 
 
 class HFGenerateMethod:

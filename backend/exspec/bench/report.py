@@ -136,15 +136,20 @@ def markdown(results: dict, divergences: list[dict]) -> str:
     if not divergences:
         lines.append("None: every row of every run equals the reference token for token.")
     else:
-        lines.append("| cell | run | question | position | reference | got | top-2 gap / range | tie |")
-        lines.append("|---|---|---|---|---|---|---|---|")
+        lines.append("Tie: the reference's top-2 gap is below 1e-4 of the logit range (float32) or "
+                     "within a few ulps of the dtype at the top logit (bf16 / fp16).")
+        lines.append("")
+        lines.append("| cell | run | question | position | reference | got | top-2 gap / range "
+                     "| top-2 gap (ulps) | tie |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         for d in divergences:
             cell = {"method": d["method"], "k": d["k"], "adaptive_k": d["adaptive_k"],
                     "sampling_coupling": d["sampling_coupling"]}
             gap = "–" if d["top2_gap_rel"] is None else f"{d['top2_gap_rel']:.2e}"
+            ulps = "–" if d["top2_gap_ulps"] is None else f"{d['top2_gap_ulps']:.1f}"
             lines.append(f"| {label(cell)} B={d['batch_size']} | {d['run']} | {d['question_id']} "
                          f"| {d['position']} | {d['reference_token']} | {d['got_token']} | {gap} "
-                         f"| {'yes' if d['float_tie'] else 'no'} |")
+                         f"| {ulps} | {'yes' if d['float_tie'] else 'no'} |")
     if machine.get("forward_ms"):
         lines += ["", f"## Forward costs behind the ideal (ms, cache of {cfg['ideal_cache_len']} tokens)",
                   "", "| forward | ms |", "|---|---|"]

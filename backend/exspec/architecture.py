@@ -1,0 +1,134 @@
+"""Which architectures the KV layouts serve exactly, decided when the model loads (DESIGN §3.6).
+
+Both layouts (kv.py) keep one full-attention cache entry per committed token, give every row
+its own positions through `position_ids`, and describe each row's valid entries with an
+attention mask (EQSPEC: 2D, right-aligned; EXSPEC: 4D, each row at its own offset). A model
+that needs anything else would load, report READY and then fail (or, worse, differ) at the
+first request; here it is refused instead, with its architecture and the reason. The sweep
+test (tests/engine/test_architectures.py) runs every causal-LM type of the pinned transformers
+against these rules: each one is exact or refused here.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
+
+from .errors import ModelLoadError
+from .kv import cache_layer_classes
+
+ENCODER_DECODER_TYPES = set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES) | set(
+    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
+# ALiBi built from the 2D attention mask's cumulative sum: right for EQSPEC's 2D mask, not
+# for EXSPEC's 4D one. (MPT's ALiBi depends on key columns only and serves both.)
+ALIBI_FROM_2D_MASK = {"bloom", "falcon"}
+# GIT widens a 2D mask over image-patch entries it expects in the cache, even for text only,
+# which shifts every padded row of a batch by that many columns.
+MASK_REWRITTEN_FOR_IMAGES = {"git"}
+
+
+class Refused(Exception):
+    """Internal: the reason one model cannot be served."""
+
+
+def check_servable(model, role: str, method: str) -> None:
+    """Raise ModelLoadError naming the architecture and the reason, or return."""
+    if method == "autoregressive" and role == "draft":
+        return
+    try:
+        _check(model, method)
+    except Refused as why:
+        cfg = model.config
+        raise ModelLoadError(f"the {role} model {type(model).__name__} (model_type "
+                             f"{cfg.model_type!r}) cannot be served exactly: {why}") from None
+
+
+def _check(model, method: str) -> None:
+    cfg = model.config
+    text = cfg.get_text_config(decoder=True)
+    params = inspect.signature(model.forward).parameters
+    if model.get_output_embeddings() is None:
+        raise Refused("it has no causal-LM head (no output embeddings to take logits from)")
+    if cfg.is_encoder_decoder or cfg.model_type in ENCODER_DECODER_TYPES or _has_cross_attention(model):
+        raise Refused("it is (the decoder of) an encoder-decoder model: its layers attend to an "
+                      "encoder's output, which a causal-LM pair does not have")
+    recurrent = Refused("it has linear-attention or state-space (recurrent) layers, whose "
+                        "state cannot be cut back to a row's accepted tokens")
+    if getattr(model, "_is_stateful", False):
+        raise recurrent
+    if "cache" not in params:
+        raise Refused("its forward takes no KV cache (`cache`), so tokens cannot be appended "
+                      "to a row")
+    try:
+        layers = {cls.__name__ for cls in cache_layer_classes(model)}
+    except Exception as exc:   # noqa: BLE001  (new_cache would raise the same at a request)
+        raise Refused(f"transformers builds no KV cache from its config "
+                      f"({type(exc).__name__}: {exc})") from None
+    if any("LinearAttention" in name for name in layers):
+        raise recurrent
+    if "DynamicSlidingWindowLayer" in layers or "local" in (getattr(text, "attention_layers", None) or []):
+        raise Refused("it has sliding-window (or chunked) attention layers, which the KV layouts "
+                      "cannot mask per layer yet")
+    if "DynamicIndexedLayer" in layers:
+        raise Refused("it has sparse (indexed) attention layers, whose indexer cache the KV "
+                      "layouts cannot cut back or realign")
+    if "DummyLayer" in layers:
+        raise Refused("it has layers that share another layer's KV cache or cache nothing, "
+                      "which the KV layouts do not model")
+    if layers - {"DynamicLayer"}:
+        raise Refused(f"it has {', '.join(sorted(layers - {'DynamicLayer'}))} cache layers, "
+                      "which the KV layouts cannot cut back or realign")
+    if cfg.model_type in MASK_REWRITTEN_FOR_IMAGES:
+        raise Refused("it widens a 2D attention mask over image-patch cache entries even for "
+                      "text-only input, which misaligns padded rows")
+    alibi = _uses_alibi(cfg)
+    if "position_ids" not in params and not alibi:
+        raise Refused("its forward takes no position ids: it derives positions from the cache "
+                      "length, so the rows of a batch cannot each keep their own (I1)")
+    if alibi and method == "exspec" and cfg.model_type in ALIBI_FROM_2D_MASK:
+        raise Refused("its ALiBi biases come from a 2D attention mask, and exspec's layout "
+                      "passes a 4D one; use method 'eqspec'")
+    problem = _probe(model, takes_positions="position_ids" in params)
+    if problem:
+        raise Refused(problem)
+
+
+def _has_cross_attention(model) -> bool:
+    return any(name.endswith(("encoder_attn", "crossattention", "cross_attn"))
+               for name, _ in model.named_modules())
+
+
+def _uses_alibi(cfg) -> bool:
+    attn = getattr(cfg, "attn_config", None)
+    return (cfg.model_type == "bloom" or bool(getattr(cfg, "alibi", False))
+            or bool(getattr(attn, "alibi", False)))
+
+
+@torch.inference_mode()
+def _probe(model, takes_positions: bool) -> str | None:
+    """One 4-token forward of two rows that differ only in their last token: every earlier
+    logit must agree (causal attention), and passing positions 0, 1, 2, 3 explicitly (as the
+    layouts do) must change nothing (the model's own positions are 0, 1, 2, ...)."""
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 5]], device=device)
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        if takes_positions:
+            positions = torch.arange(4, device=device).expand(2, 4)
+            placed = model(input_ids=ids, position_ids=positions, use_cache=False).logits.float()
+    except Exception as exc:   # noqa: BLE001  (any failure here would fail every request)
+        return f"a 4-token probe forward fails ({type(exc).__name__}: {exc})"
+    if not torch.isfinite(logits).all():
+        return "its logits are not finite (NaN or inf) on a 4-token probe"
+    # a few ulps of the model's dtype at the logits' magnitude: rounding, not a difference
+    tolerance = 4 * torch.finfo(model.dtype).eps * float(logits.abs().max())
+    if float((logits[0, :3] - logits[1, :3]).abs().max()) > tolerance:
+        return ("its attention is bidirectional: a later token changes earlier logits (a "
+                "BERT-style model serves as a causal LM only with is_decoder=true)")
+    if takes_positions and float((placed - logits).abs().max()) > tolerance:
+        return ("its own positions are not 0, 1, 2, ... (RoBERTa-style models count from "
+                "padding_idx + 1 and skip pad tokens), so the positions the layouts pass "
+                "would change its output")
+    return None
