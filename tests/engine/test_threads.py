@@ -8,6 +8,8 @@ import torch
 from exspec import EngineConfig
 from exspec.threads import DEFAULT_THREADS, apply_threads, choose_threads
 
+from conftest import make_engine   # at collection, while "conftest" is tests/engine's
+
 
 def test_an_explicit_setting_wins_over_the_environment():
     choice = choose_threads(3, environ={"OMP_NUM_THREADS": "2"})
@@ -32,7 +34,6 @@ def test_engine_config_refuses_a_thread_count_that_is_not_a_positive_integer(bad
 
 
 def test_the_engine_applies_its_choice_to_torch(pairs, monkeypatch):
-    from conftest import make_engine
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
         engine = make_engine(pairs, torch_threads=2)
