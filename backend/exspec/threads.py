@@ -3,10 +3,11 @@ benchmark, and said out loud.
 
 torch's default is one intra-op thread per core, whose OpenMP workers spin at every kernel's
 barrier. On a machine whose cores are shared (Triton's own threads, a load client, another
-model instance) a preempted worker stalls every kernel of the step: measured here with a load
-client on the same 2 cores, the demo model served 8-34 tokens/s at torch's default and 238-262
-with one thread (README, Threads). Tiny per-token kernels gain little from a second thread
-anyway, so the default is one thread; a machine with cores to spare sets more explicitly.
+model instance) a preempted worker stalls every kernel of the step. Measured here (2 cores, the
+demo pair served, a locust client on the same machine, README "Threads"): 206 vs 139 output
+tokens/s with one thread vs two at concurrency 1, 488 vs 341 at concurrency 4. Tiny per-token
+kernels gain little from a second thread anyway, so the default is one thread; a machine with
+cores to spare sets more explicitly.
 """
 from __future__ import annotations
 
