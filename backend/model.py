@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import triton_python_backend_utils as pb_utils
 
 from exspec import EngineBusyError, EngineConfig, InvalidRequestError, RequestOutput
+from exspec.config import resolve_model_paths
 from exspec.engine import LLMEngine
 from exspec_metrics import Metrics
 from exspec_request import ERROR_CODE_TAG_PARAMETER, FLAG_INPUTS, ParsedRequest, parse_request
@@ -44,7 +45,6 @@ from exspec_responses import (FINAL, OUTPUTS, code_name, new_error, response, se
                               triton_error)
 
 MODEL_JSON = "model.json"
-PATH_KEYS = ("target_model", "draft_model", "tokenizer")
 CANCEL_POLL_S = 0.1          # how often the send thread asks Triton about cancellations
 FINALIZE_DRAIN_S = 10.0      # how long finalize lets aborted requests reach their final response
 DRAIN_POLL_S = 0.5           # how often the send thread looks for the drain file
@@ -191,11 +191,7 @@ class TritonPythonModel:
                 raise ValueError(f"{path} is not valid JSON: {exc}") from None
         if not isinstance(values, dict):
             raise ValueError(f"{path} must hold a JSON object of EngineConfig fields")
-        for key in PATH_KEYS:
-            value = values.get(key)
-            if isinstance(value, str) and (value.startswith((".", os.sep))
-                                           or os.path.exists(os.path.join(folder, value))):
-                values[key] = os.path.normpath(os.path.join(folder, value))
+        values = resolve_model_paths(values, folder)
         kind = args.get("model_instance_kind", "CPU")
         wanted = values.get("device")
         if kind == "GPU":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 
@@ -12,6 +13,22 @@ METHODS = ("exspec", "eqspec", "autoregressive")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAP_POLICIES = ("auto", "balanced", "balanced_low_0", "sequential")
 STREAM_GRANULARITIES = ("token", "step")
+
+
+PATH_KEYS = ("target_model", "draft_model", "tokenizer")
+
+
+def resolve_model_paths(values: dict, folder: str | os.PathLike) -> dict:
+    """model.json's model paths, resolved against model.json's folder: a value starting with
+    "." or "/", or naming something that exists there, is a path; anything else (a hub id) is
+    kept as given. The Triton model and exspec-openai read model.json through this one rule."""
+    out = dict(values)
+    for key in PATH_KEYS:
+        value = out.get(key)
+        if isinstance(value, str) and (value.startswith((".", os.sep))
+                                       or os.path.exists(os.path.join(folder, value))):
+            out[key] = os.path.normpath(os.path.join(folder, value))
+    return out
 
 
 @dataclass

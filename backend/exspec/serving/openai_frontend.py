@@ -27,6 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..config import resolve_model_paths
 from .install import BACKEND_NAME, find_tritonserver, install
 from .launcher import split_passthrough, stub_environment
 
@@ -49,17 +50,13 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def model_tokenizer(model_repository: Path, model: str) -> str | None:
-    """The tokenizer (else the target) that model.json names, resolved like the engine does:
-    relative paths against model.json's folder, anything else (a hub id) as given."""
+    """The tokenizer (else the target) that model.json names, resolved as the Triton model
+    resolves it (exspec.config.resolve_model_paths)."""
     path = model_repository / model / "1" / "model.json"
     if not path.is_file():
         return None
-    config = json.loads(path.read_text())
-    name = config.get("tokenizer") or config.get("target_model")
-    if not name:
-        return None
-    local = path.parent / name
-    return str(local.resolve()) if local.exists() else name
+    config = resolve_model_paths(json.loads(path.read_text()), path.parent)
+    return config.get("tokenizer") or config.get("target_model") or None
 
 
 def frontend_command(args, extra: list[str], backends: Path) -> list[str]:
