@@ -20,7 +20,7 @@ from .noise import gumbel
 from .sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
 from .sequence import Sequence
 from .stats import Stats
-from .vocab import PaddedVocab
+from .vocab import PaddedVocab, logit_rows
 
 
 @dataclass
@@ -38,8 +38,7 @@ class ModelRunner:
         self.vocab = vocab           # set when draft and target differ by padding rows
         self.coupling = coupling     # "gumbel" or "rejection" (sampler.py)
         # Gumbel noise covers the wider vocabulary of the two (a padded target's, say)
-        self.noise_width = max(m.get_output_embeddings().weight.shape[0]
-                               for m in (target, draft) if m is not None)
+        self.noise_width = max(logit_rows(m) for m in (target, draft) if m is not None)
         self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or SlotKV (EXSPEC, ragged)
         self.target = target
         self.draft = draft
