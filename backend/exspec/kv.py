@@ -47,17 +47,42 @@ def _on(index: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return index if index.device == tensor.device else index.to(tensor.device)
 
 
+def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    """[B, q, W] bool -> the [B, 1, q, W] additive mask HF attention takes (0 or dtype min)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def _cuts_on_device(counts: list[int], counts_dev: torch.Tensor | None, device) -> torch.Tensor:
+    """The per-row cut counts on the device: the runner's own device tensor when it has one
+    (no copy), else one copy of the host list."""
+    return counts_dev if counts_dev is not None else torch.tensor(counts, device=device)
+
+
+def uses_alibi(cfg) -> bool:
+    """ALiBi models (Bloom, Falcon with alibi, MPT) derive their position biases from a 2D
+    padding mask's running sum, so they need one (and cannot take EXSPEC's 4D mask)."""
+    attn = getattr(cfg, "attn_config", None)
+    return (cfg.model_type == "bloom" or bool(getattr(cfg, "alibi", False))
+            or bool(getattr(attn, "alibi", False)))
+
+
 class PaddedKV:
     """One model's cache for a group of rows, right-aligned, with a validity mask."""
 
-    def __init__(self, cache: DynamicCache, valid: torch.Tensor):
+    def __init__(self, cache: DynamicCache, valid: torch.Tensor, lengths: list[int], dtype,
+                 mask_2d: bool = False):
         self.cache = cache
+        self.mask_2d = mask_2d      # the model reads positions off a 2D mask (ALiBi: Bloom)
         self.valid = valid          # [B, L] bool
+        self.lengths = lengths      # host: valid entries per row (never read back from `valid`)
+        self.dtype = dtype
         self.aligned = True         # host-side: every row's entries are its last n_i columns
 
     @classmethod
     def empty(cls, model, batch: int, device) -> "PaddedKV":
-        return cls(new_cache(model), torch.zeros(batch, 0, dtype=torch.bool, device=device))
+        return cls(new_cache(model), torch.zeros(batch, 0, dtype=torch.bool, device=device),
+                   [0] * batch, model.dtype, uses_alibi(model.config))
 
     @property
     def width(self) -> int:
@@ -69,8 +94,19 @@ class PaddedKV:
 
 
     # -- a forward pass: the mask to pass in, then the bookkeeping after it -------------------
-    def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return torch.cat([self.valid, input_valid], dim=1).long()
+    def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """None where no row has padding (the model's own causal mask is exact, and HF then skips
+        building one where it can); else the 4D mask, built on the device (a 2D mask would make HF
+        read it back to see whether it is all ones)."""
+        q = input_valid.shape[1]
+        keys = torch.cat([self.valid, input_valid], dim=1)                     # [B, W + q]
+        if self.mask_2d:
+            return keys.long()
+        if self.aligned and min(self.lengths, default=0) == self.width and min(counts) == q:
+            return None
+        causal = (torch.arange(self.width + q, device=keys.device)[None, :]
+                  <= self.width + torch.arange(q, device=keys.device)[:, None])   # [q, W + q]
+        return _additive(keys[:, None, :] & causal[None], self.dtype)
 
     def appended(self, input_valid: torch.Tensor, counts: list[int]) -> None:
         """Record the q columns the forward just appended (input_valid [B, q], left-padded;
@@ -78,16 +114,19 @@ class PaddedKV:
         if min(counts) < input_valid.shape[1] and self.width > 0:
             self.aligned = False    # pad inputs sit between old and new entries: holes
         self.valid = torch.cat([self.valid, input_valid], dim=1)
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
 
     # -- after verification -------------------------------------------------------------------
-    def drop_tail(self, counts: list[int]) -> None:
-        """Forget the last counts[i] appended entries of row i (rejected drafts)."""
+    def drop_tail(self, counts: list[int], counts_dev: torch.Tensor | None = None) -> None:
+        """Forget the last counts[i] appended entries of row i (rejected drafts); `counts_dev`,
+        when given, holds the same counts on the device."""
         if not counts or max(counts) == 0:
             return
+        self.lengths = [n - c for n, c in zip(self.lengths, counts)]
         if self.aligned and min(counts) == max(counts):
             self._keep_columns(slice(0, self.width - counts[0]))   # a view: nothing moves
             return
-        cut = torch.tensor(counts, device=self.valid.device)
+        cut = _cuts_on_device(counts, counts_dev, self.valid.device)
         cols = torch.arange(self.width, device=self.valid.device)
         self.valid &= cols[None, :] < (self.width - cut)[:, None]
         self.aligned = False
@@ -97,7 +136,7 @@ class PaddedKV:
         if self.aligned:
             return 0
         counts = self.valid.sum(1)
-        width = int(counts.max())
+        width = max(self.lengths)
         # A stable sort of the mask puts each row's invalid columns first and its valid ones
         # last, in order: the last `width` sorted indices are the gather source of every row.
         order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, -width:]
@@ -117,6 +156,7 @@ class PaddedKV:
         """Keep only `rows` (in that order); returns bytes copied."""
         index = torch.tensor(rows, device=self.valid.device)
         self.valid = self.valid.index_select(0, index)
+        self.lengths = [self.lengths[i] for i in rows]
         moved = 0
         for layer in _layers(self.cache):
             layer.keys = layer.keys.index_select(0, _on(index, layer.keys))
@@ -130,9 +170,9 @@ class PaddedKV:
         """Stack groups row-wise, left-padding the narrower ones; returns (merged, bytes copied)."""
         moved = sum(part.compact() for part in parts)
         width = max(p.width for p in parts)
-        merged = cls.empty(model, sum(p.batch for p in parts), parts[0].valid.device)
-        merged.valid = torch.cat([torch.nn.functional.pad(p.valid, (width - p.width, 0))
-                                  for p in parts], dim=0)
+        merged = cls(new_cache(model),
+                     torch.cat([torch.nn.functional.pad(p.valid, (width - p.width, 0)) for p in parts]),
+                     [n for p in parts for n in p.lengths], parts[0].dtype, parts[0].mask_2d)
         for i, layer in enumerate(merged.cache.layers):
             sources = [p.cache.layers[i] for p in parts if p.cache.layers[i].is_initialized]
             if len(sources) != len(parts):
@@ -147,12 +187,11 @@ class PaddedKV:
 
     # -- helpers -------------------------------------------------------------------------------
     def _trim_left(self) -> None:
-        """Drop leading columns that no row uses (minimal left padding); a view, no copy."""
-        if self.width == 0:
-            return
-        used = int(self.valid.any(0).to(torch.int8).argmax()) if self.valid.any() else self.width
-        if used > 0:
-            self._keep_columns(slice(used, self.width))
+        """Drop leading columns that no row uses (minimal left padding); a view, no copy. Only
+        when aligned (from the host lengths): otherwise the realignment that follows leaves the
+        minimal width anyway."""
+        if self.aligned and self.width > max(self.lengths, default=0):
+            self._keep_columns(slice(self.width - max(self.lengths, default=0), self.width))
 
     def _keep_columns(self, cols: slice) -> None:
         self.valid = self.valid[:, cols]
@@ -194,7 +233,10 @@ class _RowWriteLayer(DynamicLayer):
         return self.keys[:, :, :owner.width], self.values[:, :, :owner.width]
 
     def get_seq_length(self) -> int:
-        return self.owner.width
+        # what HF sizes its own causal mask from when none is passed: the entries before this
+        # forward, which uniform rows share
+        owner = self.owner
+        return owner.uniform_start if owner.uniform_start is not None else owner.width
 
 
 class SlotKV:
@@ -212,6 +254,7 @@ class SlotKV:
         self.dtype = model.dtype
         self.device = torch.device(device)
         self.lengths = [0] * batch      # host: entries per row
+        self.lengths_dev = torch.zeros(batch, dtype=torch.long, device=device)   # the same, on the device
         self.capacity = 0
         self.width = 0                  # columns attention sees in the current forward
         self.uniform_start: int | None = None
@@ -228,27 +271,29 @@ class SlotKV:
         return len(self.lengths)
 
 
-    def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """None when every row writes the same columns (the model's causal mask is exact: the
+        layer reports the pre-forward width); else the 4D mask, built on the device from the rows'
+        device lengths (no host data crosses)."""
         batch, q = input_valid.shape
         need = max(self.lengths) + q
         if need > self.capacity:
             self.capacity = max(need + self.HEADROOM, int(self.capacity * 1.5))
         self.width = max(n + c for n, c in zip(self.lengths, counts))
+        self._counts_dev = input_valid.sum(1)
         if len(set(self.lengths)) == 1 and min(counts) == q:
             self.uniform_start = self.lengths[0]
-            query_cols = self.uniform_start + torch.arange(q, device=self.device).expand(batch, q)
-        else:
-            # real inputs are the last counts[i] of the (left-padded) row: they go to columns
-            # n_i.. in order; pad inputs go past them, where nothing reads them.
-            self.uniform_start = None
-            cols = []
-            for n, c in zip(self.lengths, counts):
-                cols.append(list(range(n + c, n + q)) + list(range(n, n + c)))
-            query_cols = torch.tensor(cols, device=self.device)
-            self.write_index, self._write_index_copies = query_cols, {}
+            return None
+        # real inputs are the last c of the (left-padded) row: they go to columns n.. in order;
+        # pad inputs go past them (n + c ..), where nothing reads them.
+        self.uniform_start = None
+        n, c = self.lengths_dev[:, None], self._counts_dev[:, None]
+        i = torch.arange(q, device=self.device)[None, :]
+        pads = q - c
+        query_cols = torch.where(i < pads, n + c + i, n + i - pads)
+        self.write_index, self._write_index_copies = query_cols, {}
         allowed = torch.arange(self.width, device=self.device) <= query_cols[:, :, None]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
+        return _additive(allowed, self.dtype)
 
     def write_index_on(self, device: torch.device) -> torch.Tensor:
         """The forward's write columns on a layer's GPU (copied once per GPU per forward)."""
@@ -260,9 +305,13 @@ class SlotKV:
 
     def appended(self, input_valid: torch.Tensor, counts: list[int]) -> None:
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+        self.lengths_dev = self.lengths_dev + self._counts_dev
 
-    def drop_tail(self, counts: list[int]) -> None:
+    def drop_tail(self, counts: list[int], counts_dev: torch.Tensor | None = None) -> None:
+        if not counts or max(counts) == 0:
+            return
         self.lengths = [n - c for n, c in zip(self.lengths, counts)]
+        self.lengths_dev = self.lengths_dev - _cuts_on_device(counts, counts_dev, self.device)
 
     def compact(self) -> int:
         return 0
@@ -270,6 +319,7 @@ class SlotKV:
     def select(self, rows: list[int]) -> int:
         index = torch.tensor(rows, device=self.device)
         self.lengths = [self.lengths[i] for i in rows]
+        self.lengths_dev = self.lengths_dev.index_select(0, index)
         keep = max(self.lengths) + self.HEADROOM
         moved = 0
         for layer in _layers(self.cache):
@@ -283,6 +333,7 @@ class SlotKV:
     def concat(cls, parts: list["SlotKV"], model) -> tuple["SlotKV", int]:
         merged = cls(model, sum(p.batch for p in parts), parts[0].device)
         merged.lengths = [n for p in parts for n in p.lengths]
+        merged.lengths_dev = torch.cat([p.lengths_dev for p in parts])
         merged.capacity = max(merged.lengths) + cls.HEADROOM
         moved = 0
         for i, layer in enumerate(merged.cache.layers):

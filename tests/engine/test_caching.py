@@ -95,10 +95,10 @@ def test_shifted_positions_break_equivalence(pairs, reference, monkeypatch, arch
     """Negative control: positions off by one for padded rows must be caught by the oracle."""
     original = ModelRunner._ragged_input
 
-    def shifted(self, tails, starts):
-        ids, pos, valid, counts = original(self, tails, starts)
+    def shifted(self, tails, starts, extra=()):
+        ids, pos, valid, counts, per_row = original(self, tails, starts, extra)
         short = valid.sum(1) < valid.shape[1]
-        return ids, pos + short[:, None].long() * valid.long(), valid, counts
+        return ids, pos + short[:, None].long() * valid.long(), valid, counts, per_row
 
     monkeypatch.setattr(ModelRunner, "_ragged_input", shifted)
     max_len = GPT2_MAX_POS if arch == "gpt2" else 256
@@ -114,7 +114,7 @@ def test_skipped_cache_crop_breaks_equivalence(pairs, reference, monkeypatch, me
     """Negative control: keeping rejected drafts in the target cache must be caught."""
     from exspec.kv import PaddedKV, SlotKV
     layout = SlotKV if method == "exspec" else PaddedKV
-    monkeypatch.setattr(layout, "drop_tail", lambda self, counts: None)
+    monkeypatch.setattr(layout, "drop_tail", lambda self, counts, counts_dev=None: None)
     prompts = make_prompts(320, pairs["llama", "eos"], seed=12, count=8)
     engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=8)
     outs = engine.generate(prompts, SamplingParams(max_tokens=20))
