@@ -4,7 +4,10 @@ TransferAudit, which sees every crossing a GPU run would make (tensors built fro
 `.item()` / `bool()` / `int()` reads, `.tolist()`), so the budget holds without a GPU."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
+import torch
 
 from exspec import SamplingParams
 from exspec.transfer import TransferAudit
@@ -64,3 +67,26 @@ def test_the_audit_sees_a_stray_host_read(pairs):
     prompts = make_prompts(engine.target.config.vocab_size, None, seed=5, count=2, max_len=20)
     counts = steady_steps(engine, prompts, GREEDY, steps=2)
     assert all(d2h > 1 for _, d2h, _ in counts), counts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_on_cuda_a_tick_waits_for_the_device_once(pairs, method):
+    """torch's own sync detector: a steady tick synchronises only at its one device-to-host copy
+    (inputs go up from pinned memory without blocking)."""
+    engine = make_engine(pairs, method=method, num_speculative_tokens=3, device="cuda")
+    prompts = make_prompts(engine.target.config.vocab_size, None, seed=6, count=4, max_len=20)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    for _ in range(3):
+        engine.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.pool.tick()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) <= 1, syncs
