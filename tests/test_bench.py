@@ -148,13 +148,14 @@ def test_both_decode_paths_in_one_run(bench_inputs, monkeypatch):
     import torch
 
     from exspec import compiled
-    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", compiled.COMPILE_BACKEND)   # restored after
     torch._dynamo.reset()
     root, args = bench_inputs
     out = root / "paths"
     args = [a if a != "1,2" else "1" for a in args]
     assert main(args + ["--max-tokens", "4", "--methods", "autoregressive,exspec",
-                        "--paths", "eager,compiled", "--out", str(out)]) == 0
+                        "--paths", "eager,compiled", "--compile-backend", "eager",
+                        "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     check_schema(results)
     torch._dynamo.reset()

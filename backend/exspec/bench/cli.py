@@ -157,6 +157,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--paths", default="eager",
                     help="decode paths, comma list of eager, compiled (enforce_eager false/true): "
                          "each engine cell runs on each; compiled adds per-forward costs and warm-ups")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of the compiled path (eager / aot_eager: Dynamo's "
+                         "graphs without generated code, for a quick check of the machinery)")
     ap.add_argument("--pair", choices=("demo", "deep-narrow"), default="demo",
                     help="without --target: the demo pair, or a deep, narrow random pair built here "
                          f"({DEEP_NARROW['target_layers']} and {DEEP_NARROW['draft_layers']} layers, "
@@ -266,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()   # weight loading, once per engine
     progress = not args.no_progress
+    from .. import compiled
+    compiled.COMPILE_BACKEND = args.compile_backend
     pair = resolve_pair(args)
     speculative_wanted = any(m in SPECULATIVE for m in args.methods)
     if speculative_wanted and not args.draft:
@@ -343,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     config = {"pair": pair, "target": args.target, "draft": args.draft, "tokenizer": args.tokenizer,
               "prompts": str(args.prompts) if args.prompts else None, "num_prompts": len(prompts),
               "max_tokens": args.max_tokens, "k": args.k, "batch_sizes": args.batch_sizes,
-              "methods": args.methods, "paths": args.paths, "repeats": args.repeats, "device": args.device,
+              "methods": args.methods, "paths": args.paths, "compile_backend": args.compile_backend,
+              "repeats": args.repeats, "device": args.device,
               "dtype": args.dtype, "threads": args.threads, "greedy": not sampled,
               "temperature": args.temperature, "top_p": args.top_p,
               "seed": args.seed if sampled else None,
