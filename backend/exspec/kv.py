@@ -1,7 +1,8 @@
 """All KV-cache surgery lives here (DESIGN §3.4, §3.6): the only module that touches cache tensors.
 
 Two layouts share one interface (attention_mask / appended / drop_tail / compact / select /
-concat), so the runner and the pool never look inside:
+concat), so the runner and the pool never look inside: PaddedKV here, and EXSPEC's static,
+block-allocated BlockKV in kv_blocks.py.
 
 PaddedKV (EQSPEC). A group's cache for one model is a transformers DynamicCache of [B, H, L, D] tensors plus a
 `valid` [B, L] mask of the columns that hold real entries. Rows are kept right-aligned (left
@@ -13,8 +14,6 @@ input leaves holes). Both are fixed by `compact`: one gather per cache tensor th
 row's valid entries to the right edge (EQSPEC's unpad, append, repad).
 """
 from __future__ import annotations
-
-import weakref
 
 import torch
 from transformers import DynamicCache
@@ -94,7 +93,8 @@ class PaddedKV:
 
 
     # -- a forward pass: the mask to pass in, then the bookkeeping after it -------------------
-    def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+    def attention_mask(self, input_valid: torch.Tensor, counts: list[int],
+                       positions: torch.Tensor) -> torch.Tensor | None:
         """None where no row has padding (the model's own causal mask is exact, and HF then skips
         building one where it can); else the 4D mask, built on the device (a 2D mask would make HF
         read it back to see whether it is all ones)."""
@@ -115,6 +115,21 @@ class PaddedKV:
             self.aligned = False    # pad inputs sit between old and new entries: holes
         self.valid = torch.cat([self.valid, input_valid], dim=1)
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+
+    def table_rows_for(self, extra: int) -> None:
+        """No block table here (kv_blocks.BlockKV has one)."""
+        return None
+
+    def make_contiguous(self) -> int:
+        """Copy view-shaped cache tensors (left by a uniform crop or a trim) into contiguous
+        ones; returns bytes copied. Only the compiled path calls it: a compiled forward guards
+        on its inputs' strides and would recompile for every view."""
+        moved = 0
+        for layer in _layers(self.cache):
+            if not (layer.keys.is_contiguous() and layer.values.is_contiguous()):
+                layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+                moved += layer.keys.nbytes + layer.values.nbytes
+        return moved
 
     # -- after verification -------------------------------------------------------------------
     def drop_tail(self, counts: list[int], counts_dev: torch.Tensor | None = None) -> None:
@@ -198,153 +213,3 @@ class PaddedKV:
         for layer in _layers(self.cache):
             layer.keys = layer.keys[:, :, cols]
             layer.values = layer.values[:, :, cols]
-
-
-class _RowWriteLayer(DynamicLayer):
-    """A cache layer that writes each row's new entries at that row's own offset, in a buffer
-    with room to grow, and hands attention the first `width` columns (a view, no copy)."""
-
-    def __init__(self, owner: "SlotKV"):
-        super().__init__()
-        # A weak reference: a strong one would make SlotKV <-> layer a cycle, which only the
-        # cyclic GC frees, so every finished group's buffers would outlive it (and a full
-        # collection costs ~0.2 s on a serving process).
-        self.owner = weakref.proxy(owner)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        owner = self.owner
-        if not self.is_initialized:
-            self.device = key_states.device
-            shape = key_states.shape[:2] + (owner.capacity,) + key_states.shape[3:]
-            self.keys, self.values = key_states.new_zeros(shape), value_states.new_zeros(shape)
-            self.is_initialized = True
-        elif self.keys.shape[2] < owner.capacity:   # grow the buffer (amortised: capacity x1.5)
-            extra = (0, 0, 0, owner.capacity - self.keys.shape[2])
-            self.keys = torch.nn.functional.pad(self.keys, extra)
-            self.values = torch.nn.functional.pad(self.values, extra)
-        if owner.uniform_start is not None:   # every row writes the same columns
-            cols = slice(owner.uniform_start, owner.uniform_start + key_states.shape[2])
-            self.keys[:, :, cols] = key_states
-            self.values[:, :, cols] = value_states
-        else:
-            index = owner.write_index_on(key_states.device)[:, None, :, None].expand_as(key_states)
-            self.keys.scatter_(2, index, key_states)
-            self.values.scatter_(2, index, value_states)
-        return self.keys[:, :, :owner.width], self.values[:, :, :owner.width]
-
-    def get_seq_length(self) -> int:
-        # what HF sizes its own causal mask from when none is passed: the entries before this
-        # forward, which uniform rows share
-        owner = self.owner
-        return owner.uniform_start if owner.uniform_start is not None else owner.width
-
-
-class SlotKV:
-    """EXSPEC's layout: row i's n_i entries are columns [0, n_i) of its row of a buffer; new
-    tokens are written at each row's own offset and a 4D mask (column <= the query's own column)
-    gives every query exactly its row's committed tokens. Rejected drafts are forgotten by
-    moving the row's length back (positions roll back, not tensors): a ragged group needs no
-    realignment at all, and a group keeps its buffer from tick to tick."""
-
-    HEADROOM = 64
-
-    def __init__(self, model, batch: int, device):
-        self.cache = new_cache(model)
-        self.cache.layers = [_RowWriteLayer(self) for _ in self.cache.layers]
-        self.dtype = model.dtype
-        self.device = torch.device(device)
-        self.lengths = [0] * batch      # host: entries per row
-        self.lengths_dev = torch.zeros(batch, dtype=torch.long, device=device)   # the same, on the device
-        self.capacity = 0
-        self.width = 0                  # columns attention sees in the current forward
-        self.uniform_start: int | None = None
-        self.write_index: torch.Tensor | None = None
-        self._write_index_copies: dict = {}   # write_index on other GPUs (device_map), per forward
-        self.aligned = True             # nothing here ever needs realigning
-
-    @classmethod
-    def empty(cls, model, batch: int, device) -> "SlotKV":
-        return cls(model, batch, device)
-
-    @property
-    def batch(self) -> int:
-        return len(self.lengths)
-
-
-    def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
-        """None when every row writes the same columns (the model's causal mask is exact: the
-        layer reports the pre-forward width); else the 4D mask, built on the device from the rows'
-        device lengths (no host data crosses)."""
-        batch, q = input_valid.shape
-        need = max(self.lengths) + q
-        if need > self.capacity:
-            self.capacity = max(need + self.HEADROOM, int(self.capacity * 1.5))
-        self.width = max(n + c for n, c in zip(self.lengths, counts))
-        self._counts_dev = input_valid.sum(1)
-        if len(set(self.lengths)) == 1 and min(counts) == q:
-            self.uniform_start = self.lengths[0]
-            return None
-        # real inputs are the last c of the (left-padded) row: they go to columns n.. in order;
-        # pad inputs go past them (n + c ..), where nothing reads them.
-        self.uniform_start = None
-        n, c = self.lengths_dev[:, None], self._counts_dev[:, None]
-        i = torch.arange(q, device=self.device)[None, :]
-        pads = q - c
-        query_cols = torch.where(i < pads, n + c + i, n + i - pads)
-        self.write_index, self._write_index_copies = query_cols, {}
-        allowed = torch.arange(self.width, device=self.device) <= query_cols[:, :, None]
-        return _additive(allowed, self.dtype)
-
-    def write_index_on(self, device: torch.device) -> torch.Tensor:
-        """The forward's write columns on a layer's GPU (copied once per GPU per forward)."""
-        if device == self.write_index.device:
-            return self.write_index
-        if device not in self._write_index_copies:
-            self._write_index_copies[device] = self.write_index.to(device)
-        return self._write_index_copies[device]
-
-    def appended(self, input_valid: torch.Tensor, counts: list[int]) -> None:
-        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
-        self.lengths_dev = self.lengths_dev + self._counts_dev
-
-    def drop_tail(self, counts: list[int], counts_dev: torch.Tensor | None = None) -> None:
-        if not counts or max(counts) == 0:
-            return
-        self.lengths = [n - c for n, c in zip(self.lengths, counts)]
-        self.lengths_dev = self.lengths_dev - _cuts_on_device(counts, counts_dev, self.device)
-
-    def compact(self) -> int:
-        return 0
-
-    def select(self, rows: list[int]) -> int:
-        index = torch.tensor(rows, device=self.device)
-        self.lengths = [self.lengths[i] for i in rows]
-        self.lengths_dev = self.lengths_dev.index_select(0, index)
-        keep = max(self.lengths) + self.HEADROOM
-        moved = 0
-        for layer in _layers(self.cache):
-            layer.keys = layer.keys[:, :, :keep].index_select(0, _on(index, layer.keys))
-            layer.values = layer.values[:, :, :keep].index_select(0, _on(index, layer.values))
-            moved += layer.keys.nbytes + layer.values.nbytes
-        self.capacity = min(self.capacity, keep)
-        return moved
-
-    @classmethod
-    def concat(cls, parts: list["SlotKV"], model) -> tuple["SlotKV", int]:
-        merged = cls(model, sum(p.batch for p in parts), parts[0].device)
-        merged.lengths = [n for p in parts for n in p.lengths]
-        merged.lengths_dev = torch.cat([p.lengths_dev for p in parts])
-        merged.capacity = max(merged.lengths) + cls.HEADROOM
-        moved = 0
-        for i, layer in enumerate(merged.cache.layers):
-            sources = [p.cache.layers[i] for p in parts]
-            if not all(s.is_initialized for s in sources):
-                continue
-            for name in ("keys", "values"):
-                chunks = [getattr(s, name)[:, :, :merged.capacity] for s in sources]
-                chunks = [torch.nn.functional.pad(c, (0, 0, 0, merged.capacity - c.shape[2]))
-                          for c in chunks]
-                setattr(layer, name, torch.cat(chunks, dim=0))
-                moved += getattr(layer, name).nbytes
-            layer.device, layer.is_initialized = layer.keys.device, True
-        return merged, moved

@@ -40,13 +40,14 @@ class ModelRunner:
         self.coupling = coupling     # "gumbel" or "rejection" (sampler.py)
         # Gumbel noise covers the wider vocabulary of the two (a padded target's, say)
         self.noise_width = max(logit_rows(m) for m in (target, draft) if m is not None)
-        self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or SlotKV (EXSPEC, ragged)
+        self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or kv_blocks.BlockStores (EXSPEC)
         self.target = target
         self.draft = draft
         self.pad_id = pad_id
         self.device = torch.device(device)
         self.stats = stats
         self.transfers = Transfers(device)
+        self.decode_forwards: dict = {}   # model -> its compiled forward (compiled.py), if used
 
     # -- building blocks ----------------------------------------------------------------------
     def _ragged_input(self, tails: list[list[int]], starts: list[int], extra: list[list[int]] = ()):
@@ -65,13 +66,17 @@ class ModelRunner:
         counts = [len(t) for t in tails]
         return inputs[0], inputs[1], inputs[2].bool(), counts, flat[3 * rows * width:].view(len(extra), rows)
 
-    def _forward(self, model, kv, ids, pos, valid, counts: list[int], keep: int):
+    def _forward(self, model, kv, ids, pos, valid, counts: list[int], keep: int, decode=True):
+        """decode: a forward of a step (compiled on the compiled path); a prefill is not."""
         self.faults.before_forward()
         to_target_vocab = self.vocab is not None and model is self.draft
         if to_target_vocab:
             ids = self.vocab.draft_ids(ids)
-        out = model(input_ids=ids, attention_mask=kv.attention_mask(valid, counts), position_ids=pos,
-                    cache=kv.cache, use_cache=True, logits_to_keep=keep)
+        forward = self.decode_forwards.get(model, model) if decode else model
+        if forward is not model:   # compiled: inputs of one stride pattern (a copy on EQSPEC's views)
+            self.stats.add("realign_bytes", kv.make_contiguous())
+        out = forward(input_ids=ids, attention_mask=kv.attention_mask(valid, counts, pos), position_ids=pos,
+                      cache=kv.cache, use_cache=True, logits_to_keep=keep)
         kv.appended(valid, counts)
         # a target spread over GPUs ends on its last GPU; sampling lives on the engine's device
         logits = out.logits.to(self.device)
@@ -104,11 +109,11 @@ class ModelRunner:
             ids, pos, valid, counts, (first_pos,) = self._ragged_input(
                 prompts, [0] * len(seqs), [[len(p) for p in prompts]])
             target_kv = self.kv_layout.empty(self.target, len(seqs), self.device)
-            logits = self._forward(self.target, target_kv, ids, pos, valid, counts, keep=1)
+            logits = self._forward(self.target, target_kv, ids, pos, valid, counts, keep=1, decode=False)
             draft_kv = None
             if self.draft is not None:
                 draft_kv = self.kv_layout.empty(self.draft, len(seqs), self.device)
-                self._forward(self.draft, draft_kv, ids, pos, valid, counts, keep=1)
+                self._forward(self.draft, draft_kv, ids, pos, valid, counts, keep=1, decode=False)
             group = Group(seqs, target_kv, draft_kv)
             rows = group.sampling(self.device, self.transfers.to_device)
             first, _ = self._pick(logits[:, 0], rows, seqs, self._noise(rows, first_pos, 1))
@@ -146,12 +151,20 @@ class ModelRunner:
         if k > 0:
             self.catch_up_draft(group)
         # The step's one host-to-device copy: the draft's first input (what its cache lacks: 1-2
-        # tokens per row) and, per row, the pending token, its position and the row's k cap.
+        # tokens per row), per row the pending token, its position and the row's k cap, and the
+        # block table of a cache whose rows just took new blocks (as columns).
         per_row = [[s.pending_token for s in seqs], [s.num_tokens - 1 for s in seqs],
                    [self._row_k(s, k) for s in seqs]]
+        tables = [(kv, table) for kv in (group.target_kv, group.draft_kv if k > 0 else None)
+                  if kv is not None and (table := kv.table_rows_for(k + 1)) is not None]
+        per_row += [list(column) for _, table in tables for column in zip(*table)]
         tails = [s.tokens[s.num_cached_draft:] for s in seqs] if k > 0 else [[]] * len(seqs)
         draft_in = self._ragged_input(tails, [s.num_cached_draft for s in seqs], per_row)
-        pending, start, caps = draft_in[-1]
+        pending, start, caps = draft_in[-1][:3]
+        at = 3
+        for kv, table in tables:
+            kv.use_table(draft_in[-1][at:at + len(table[0])].T.contiguous())
+            at += len(table[0])
         noise = self._noise(rows, start + 1, k + 1)   # gumbel: positions m .. m+k, draft and target alike
 
         if k > 0:

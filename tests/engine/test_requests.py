@@ -161,6 +161,8 @@ def test_bad_engine_configs_get_clear_errors(pairs, tmp_path):
     with pytest.raises(ValueError, match="unknown sampling_coupling 'maximal'; expected one of "
                                          "gumbel, rejection"):
         EngineConfig.from_dict({**base, "sampling_coupling": "maximal"})
+    with pytest.raises(ValueError, match="enforce_eager must be true or false"):
+        EngineConfig.from_dict({**base, "enforce_eager": "false"})
     with pytest.raises(ValueError, match="unknown engine config keys: colour"):
         EngineConfig.from_dict({**base, "colour": "blue"})
     with pytest.raises(ModelLoadError, match="does not exist"):
