@@ -15,10 +15,11 @@ row's valid entries to the right edge (EQSPEC's unpad, append, repad).
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from .errors import ModelLoadError
 
@@ -31,10 +32,60 @@ def cache_layer_classes(model) -> set[type]:
 
 def new_cache(model) -> DynamicCache:
     cache = DynamicCache(config=model.config)
+    # A sliding layer keeps every entry too (its mask hides those out of the window), so that
+    # every layer's columns are the same and one cut-back or gather serves them all.
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer
+                    for layer in cache.layers]
     if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        raise ModelLoadError(f"{type(model).__name__}: only full-attention layers are supported "
-                             "(sliding-window or linear-attention caches cannot be realigned)")
+        raise ModelLoadError(f"{type(model).__name__}: only full and sliding-window attention "
+                             "layers are supported (chunked or linear-attention caches cannot "
+                             "be realigned)")
     return cache
+
+
+@dataclass(frozen=True)
+class LayerMasks:
+    """How one model's layers mask attention: the sliding window of each layer type (None: full
+    attention), keyed by the names its forward looks masks up by (transformers 5 takes a dict
+    from layer type to mask), and the dtype of its additive masks."""
+    windows: dict[str, int | None]
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def of(cls, model) -> "LayerMasks":
+        types, kwargs = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+        windows: dict[str, int | None] = {}
+        for kind, layer_kwargs in zip(types, kwargs):
+            if kind not in ("full_attention", "sliding_attention"):
+                raise ModelLoadError(f"{type(model).__name__}: {kind!r} layers cannot be masked "
+                                     "by the KV layouts (only full and sliding-window attention)")
+            window = layer_kwargs.get("sliding_window") if kind == "sliding_attention" else None
+            if windows.setdefault(kind, window) != window:
+                raise ModelLoadError(f"{type(model).__name__}: its {kind} layers have different "
+                                     "windows, and the model takes one mask per layer type")
+        return cls(windows, model.dtype)
+
+    @property
+    def all_full(self) -> bool:
+        return all(window is None for window in self.windows.values())
+
+    def build(self, key_pos: torch.Tensor, key_valid: torch.Tensor, query_pos: torch.Tensor):
+        """The additive [B, 1, q, L] mask of each layer type, from each row's key positions and
+        validity [B, L] and query positions [B, q]: a query sees the valid keys of its own row at
+        positions up to its own, and in a sliding layer only the last `window` of them
+        (query - key < window, transformers' rule). One tensor when there is one layer type."""
+        seen = key_valid[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
+        distance = query_pos[:, :, None] - key_pos[:, None, :]
+        masks = {}
+        for kind, window in self.windows.items():
+            allowed = seen if window is None else seen & (distance < window)
+            # finite, not -inf: a query with nothing to see (a pad) gets a harmless average
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+            masks[kind] = mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
+        return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
+FULL_ATTENTION = LayerMasks({"full_attention": None})
 
 
 def _layers(cache: DynamicCache):
@@ -50,14 +101,16 @@ def _on(index: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
 class PaddedKV:
     """One model's cache for a group of rows, right-aligned, with a validity mask."""
 
-    def __init__(self, cache: DynamicCache, valid: torch.Tensor):
+    def __init__(self, cache: DynamicCache, valid: torch.Tensor, masks: LayerMasks = FULL_ATTENTION):
         self.cache = cache
         self.valid = valid          # [B, L] bool
+        self.masks = masks
         self.aligned = True         # host-side: every row's entries are its last n_i columns
 
     @classmethod
     def empty(cls, model, batch: int, device) -> "PaddedKV":
-        return cls(new_cache(model), torch.zeros(batch, 0, dtype=torch.bool, device=device))
+        return cls(new_cache(model), torch.zeros(batch, 0, dtype=torch.bool, device=device),
+                   LayerMasks.of(model))
 
     @property
     def width(self) -> int:
@@ -69,8 +122,12 @@ class PaddedKV:
 
 
     # -- a forward pass: the mask to pass in, then the bookkeeping after it -------------------
-    def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return torch.cat([self.valid, input_valid], dim=1).long()
+    def attention_mask(self, input_valid: torch.Tensor, counts: list[int]):
+        valid = torch.cat([self.valid, input_valid], dim=1)
+        if self.masks.all_full:   # 2D: the model adds causality (ALiBi models, their positions)
+            return valid.long()
+        positions = valid.cumsum(1) - 1   # a valid column's position in its row (I1)
+        return self.masks.build(positions, valid, positions[:, -input_valid.shape[1]:])
 
     def appended(self, input_valid: torch.Tensor, counts: list[int]) -> None:
         """Record the q columns the forward just appended (input_valid [B, q], left-padded;
@@ -209,7 +266,7 @@ class SlotKV:
     def __init__(self, model, batch: int, device):
         self.cache = new_cache(model)
         self.cache.layers = [_RowWriteLayer(self) for _ in self.cache.layers]
-        self.dtype = model.dtype
+        self.masks = LayerMasks.of(model)
         self.device = torch.device(device)
         self.lengths = [0] * batch      # host: entries per row
         self.capacity = 0
@@ -228,7 +285,7 @@ class SlotKV:
         return len(self.lengths)
 
 
-    def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def attention_mask(self, input_valid: torch.Tensor, counts: list[int]):
         batch, q = input_valid.shape
         need = max(self.lengths) + q
         if need > self.capacity:
@@ -246,9 +303,10 @@ class SlotKV:
                 cols.append(list(range(n + c, n + q)) + list(range(n, n + c)))
             query_cols = torch.tensor(cols, device=self.device)
             self.write_index, self._write_index_copies = query_cols, {}
-        allowed = torch.arange(self.width, device=self.device) <= query_cols[:, :, None]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
+        # a column is its entry's position; columns past a row's end are masked by position
+        # (pad inputs sit after the row's real ones)
+        cols = torch.arange(self.width, device=self.device).expand(batch, -1)
+        return self.masks.build(cols, torch.ones_like(cols, dtype=torch.bool), query_cols)
 
     def write_index_on(self, device: torch.device) -> torch.Tensor:
         """The forward's write columns on a layer's GPU (copied once per GPU per forward)."""

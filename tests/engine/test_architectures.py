@@ -27,7 +27,10 @@ PROMPTS = [[5, 9, 17, 33, 2], [40], [7, 8, 9, 10, 11, 12, 13, 14, 15], [100, 3]]
 MAX_TOKENS = 6
 
 REASONS = {   # a phrase of each refusal message (architecture.py)
-    "sliding": "sliding-window (or chunked) attention layers",
+    "local-columns": "local attention layers build their window from column indices",
+    "chunked": "'chunked_attention' layers cannot be masked",
+    "loops": "recurrent-depth loops attend over the cache entries of other loops",
+    "window-rule": "do not take their window from the mask of their layer type",
     "recurrent": "linear-attention or state-space (recurrent) layers",
     "indexed": "sparse (indexed) attention layers",
     "encoder-decoder": "encoder-decoder model",
@@ -42,11 +45,10 @@ REASONS = {   # a phrase of each refusal message (architecture.py)
 
 REFUSED: dict[str, str] = {}        # model type -> REASONS key; filled below
 for reason, types in {
-    "sliding": "afmoe beam cohere2 cohere2_moe cwm dory exaone4 exaone_moe gemma2 gemma3 "
-               "gemma3_text gemma3n_text gemma4 gemma4_text gemma4_unified "
-               "gemma4_unified_text gpt_neo gpt_oss granite_swa granitemoe_swa hy_v4 kolibri1 "
-               "llama4 llama4_text mimo_v2_flash ministral mistral modernbert-decoder moshi "
-               "olmo3 vaultgemma",
+    "local-columns": "gpt_neo",
+    "chunked": "llama4 llama4_text",
+    "loops": "dory",
+    "window-rule": "moshi",   # its eager/SDPA forward ignores its own sliding_window
     "recurrent": "bailing_hybrid bamba deepseek_v4 falcon_h1 falcon_mamba granitemoehybrid "
                  "inkling2_loop_text inkling2_text inkling_text jamba kimi_linear lara_mini "
                  "lfm2_moe lfm3 mamba mamba2 minimax nemotron_h olmo_hybrid qwen3_5 qwen3_5_moe "
@@ -163,8 +165,8 @@ def test_sweep_covers_every_causal_lm_type_of_the_pinned_transformers():
 
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])
 def test_mistral_without_a_window_is_exact(method):
-    """MistralConfig's default has a 4096-token window (refused above); most checkpoints of
-    Mistral, Qwen2 and Phi-3 ship without one (sliding_window null), and those are exact."""
+    """Most checkpoints of Mistral, Qwen2 and Phi-3 ship without a window (sliding_window
+    null): every layer is full attention, and EQSPEC passes its plain 2D mask."""
     target, draft = build("mistral", sliding_window=None)
     assert target.config.sliding_window is None
     served = LLMEngine(EngineConfig(target_model="m", draft_model="m", method=method,
