@@ -18,12 +18,13 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_
                                                     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
 
 from .errors import ModelLoadError
-from .kv import LayerMasks, cache_layer_classes
+from .kv import LayerMasks, PaddedKV, SlotKV, cache_layer_classes
 
 ENCODER_DECODER_TYPES = set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES) | set(
     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
-# ALiBi built from the 2D attention mask's cumulative sum: right for EQSPEC's 2D mask, not
-# for EXSPEC's 4D one. (MPT's ALiBi depends on key columns only and serves both.)
+# ALiBi built from the 2D attention mask's cumulative sum: their forward takes no 4D mask, so
+# they run on the right-aligned layout under either method (kv_layout). (MPT's ALiBi depends
+# on key columns only and serves both layouts.)
 ALIBI_FROM_2D_MASK = {"bloom", "falcon"}
 # GIT widens a 2D mask over image-patch entries it expects in the cache, even for text only,
 # which shifts every padded row of a batch by that many columns.
@@ -43,14 +44,14 @@ def check_servable(model, role: str, method: str) -> None:
     if method == "autoregressive" and role == "draft":
         return
     try:
-        _check(model, method)
+        _check(model)
     except Refused as why:
         cfg = model.config
         raise ModelLoadError(f"the {role} model {type(model).__name__} (model_type "
                              f"{cfg.model_type!r}) cannot be served exactly: {why}") from None
 
 
-def _check(model, method: str) -> None:
+def _check(model) -> None:
     cfg = model.config
     text = cfg.get_text_config(decoder=True)
     params = inspect.signature(model.forward).parameters
@@ -99,12 +100,24 @@ def _check(model, method: str) -> None:
     if "position_ids" not in params and not alibi:
         raise Refused("its forward takes no position ids: it derives positions from the cache "
                       "length, so the rows of a batch cannot each keep their own (I1)")
-    if alibi and method == "exspec" and cfg.model_type in ALIBI_FROM_2D_MASK:
-        raise Refused("its ALiBi biases come from a 2D attention mask, and exspec's layout "
-                      "passes a 4D one; use method 'eqspec'")
     problem = _probe(model, takes_positions="position_ids" in params) or _probe_windows(model, masks)
     if problem:
         raise Refused(problem)
+
+
+def kv_layout(method: str, models) -> type:
+    """The KV layout a method runs on: EXSPEC's SlotKV (each row at its own offset, a 4D mask)
+    or EQSPEC's right-aligned PaddedKV. A model that builds ALiBi from a 2D mask takes no 4D
+    one, and no 2D mask describes rows at different offsets, so a pair with such a model runs
+    exspec's pool and tick on PaddedKV, each stepped group realigned like EQSPEC's batch."""
+    if method == "exspec" and not any(m is not None and _alibi_from_2d_mask(m.config)
+                                      for m in models):
+        return SlotKV
+    return PaddedKV
+
+
+def _alibi_from_2d_mask(cfg) -> bool:
+    return _uses_alibi(cfg) and cfg.model_type in ALIBI_FROM_2D_MASK
 
 
 def _has_cross_attention(model) -> bool:

@@ -303,8 +303,8 @@ class SlotKV:
                 cols.append(list(range(n + c, n + q)) + list(range(n, n + c)))
             query_cols = torch.tensor(cols, device=self.device)
             self.write_index, self._write_index_copies = query_cols, {}
-        # a column is its entry's position; columns past a row's end are masked by position
-        # (pad inputs sit after the row's real ones)
+        # a column is its entry's position: a real query sees its row's columns up to its own
+        # (its pad inputs sit after it, other rows' longer tails are in the future)
         cols = torch.arange(self.width, device=self.device).expand(batch, -1)
         return self.masks.build(cols, torch.ones_like(cols, dtype=torch.bool), query_cols)
 

@@ -117,9 +117,10 @@ def test_concat_pads_narrower_groups():
     b, rows_b = make_kv(1), [[]]
     append(b, rows_b, [2])
 
-    class Model:  # PaddedKV.concat only needs a config for the new cache
+    class Model:  # PaddedKV.concat only needs a config (new cache, masks) and a dtype (masks)
         from transformers import LlamaConfig
         config = LlamaConfig(num_hidden_layers=1)
+        dtype = torch.float32
 
     merged, moved = PaddedKV.concat([a, b], Model)
     assert moved > 0
