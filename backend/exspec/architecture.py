@@ -176,7 +176,7 @@ def _probe_windows(model, masks: LayerMasks) -> str | None:
     ids = (positions * 7 + 1) % embeddings.num_embeddings
     try:
         own = model(input_ids=ids, use_cache=False).logits.float()
-        given = masks.build(positions, torch.ones_like(positions, dtype=torch.bool), positions)
+        given = masks.build(positions, None, positions)
         ours = model(input_ids=ids, attention_mask=given, position_ids=positions,
                      use_cache=False).logits.float()
     except Exception as exc:   # noqa: BLE001  (any failure here would fail every request)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer,
+                                     get_layer_types_and_kwargs)
 
 from .errors import ModelLoadError
 
@@ -69,16 +70,21 @@ class LayerMasks:
     def all_full(self) -> bool:
         return all(window is None for window in self.windows.values())
 
-    def build(self, key_pos: torch.Tensor, key_valid: torch.Tensor, query_pos: torch.Tensor):
+    def build(self, key_pos: torch.Tensor, key_valid: torch.Tensor | None, query_pos: torch.Tensor):
         """The additive [B, 1, q, L] mask of each layer type, from each row's key positions and
-        validity [B, L] and query positions [B, q]: a query sees the valid keys of its own row at
-        positions up to its own, and in a sliding layer only the last `window` of them
-        (query - key < window, transformers' rule). One tensor when there is one layer type."""
-        seen = key_valid[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
-        distance = query_pos[:, :, None] - key_pos[:, None, :]
+        validity [B, L] (None: every column) and query positions [B, q]: a query sees the valid
+        keys of its own row at positions up to its own, and in a sliding layer only the last
+        `window` of them (query - key < window, transformers' rule). One tensor when there is
+        one layer type."""
+        seen = key_pos[:, None, :] <= query_pos[:, :, None]
+        if key_valid is not None:
+            seen &= key_valid[:, None, :]
         masks = {}
         for kind, window in self.windows.items():
-            allowed = seen if window is None else seen & (distance < window)
+            if window is None:
+                allowed = seen
+            else:
+                allowed = seen & (query_pos[:, :, None] - key_pos[:, None, :] < window)
             # finite, not -inf: a query with nothing to see (a pad) gets a harmless average
             mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
             masks[kind] = mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
@@ -101,7 +107,8 @@ def _on(index: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
 class PaddedKV:
     """One model's cache for a group of rows, right-aligned, with a validity mask."""
 
-    def __init__(self, cache: DynamicCache, valid: torch.Tensor, masks: LayerMasks = FULL_ATTENTION):
+    def __init__(self, cache: DynamicCache, valid: torch.Tensor,
+                 masks: LayerMasks = FULL_ATTENTION):
         self.cache = cache
         self.valid = valid          # [B, L] bool
         self.masks = masks
@@ -306,7 +313,7 @@ class SlotKV:
         # a column is its entry's position: a real query sees its row's columns up to its own
         # (its pad inputs sit after it, other rows' longer tails are in the future)
         cols = torch.arange(self.width, device=self.device).expand(batch, -1)
-        return self.masks.build(cols, torch.ones_like(cols, dtype=torch.bool), query_cols)
+        return self.masks.build(cols, None, query_cols)
 
     def write_index_on(self, device: torch.device) -> torch.Tensor:
         """The forward's write columns on a layer's GPU (copied once per GPU per forward)."""

@@ -58,7 +58,8 @@ def run(model_type: str, method: str):
         accepted.append(result.num_accepted)
         return result
     engine.runner.step = recording
-    return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)), accepted
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return outs, accepted
 
 
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])
