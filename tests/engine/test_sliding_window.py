@@ -91,3 +91,17 @@ def test_full_attention_in_sliding_layers_is_caught(model_type, method, monkeypa
     assert all(o.error is None for o in outs)
     assert [o.token_ids for o in outs] != shaped(model_type)[1], \
         f"{model_type} {method}: full attention in sliding layers went unnoticed"
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_draft_and_target_with_different_windows(method):
+    """Each model's caches mask by its own layer types and window: a Gemma 2 target (window 5)
+    with a Mistral draft of window 3 is exact; given the draft's masks, the target would not be."""
+    pair, expected = shaped("gemma2")
+    _, draft = build("mistral", seed=4, sliding_window=3)
+    mixed = ModelPair(tokenizer(), pair.target, draft, set(), 256)
+    engine = LLMEngine(EngineConfig(target_model="g", draft_model="m", method=method,
+                                    num_speculative_tokens=3, max_batch_size=4, adaptive_k=False),
+                       pair=mixed)
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert [o.token_ids for o in outs] == expected
