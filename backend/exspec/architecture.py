@@ -18,7 +18,8 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_
                                                     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
 
 from .errors import ModelLoadError
-from .kv import LayerMasks, PaddedKV, SlotKV, cache_layer_classes
+from .kv import LayerMasks, PaddedKV, cache_layer_classes
+from .kv_blocks import BlockStores
 
 ENCODER_DECODER_TYPES = set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES) | set(
     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
@@ -105,14 +106,15 @@ def _check(model) -> None:
         raise Refused(problem)
 
 
-def kv_layout(method: str, models) -> type:
-    """The KV layout a method runs on: EXSPEC's SlotKV (each row at its own offset, a 4D mask)
-    or EQSPEC's right-aligned PaddedKV. A model that builds ALiBi from a 2D mask takes no 4D
-    one, and no 2D mask describes rows at different offsets, so a pair with such a model runs
-    exspec's pool and tick on PaddedKV, each stepped group realigned like EQSPEC's batch."""
-    if method == "exspec" and not any(m is not None and _alibi_from_2d_mask(m.config)
-                                      for m in models):
-        return SlotKV
+def kv_layout(config, models):
+    """The KV layout a method runs on: EXSPEC's block store (each row's entries at their
+    positions, a 4D mask) or EQSPEC's right-aligned PaddedKV. A model that builds ALiBi from a 2D
+    mask takes no 4D one, and no 2D mask describes rows at their own offsets, so a pair with
+    such a model runs exspec's pool and tick on PaddedKV, each stepped group realigned like
+    EQSPEC's batch."""
+    if config.method == "exspec" and not any(m is not None and _alibi_from_2d_mask(m.config)
+                                             for m in models):
+        return BlockStores(config.device, config.max_num_kv_tokens)
     return PaddedKV
 
 

@@ -16,6 +16,7 @@ from collections import deque
 
 import torch
 
+from . import compiled
 from .architecture import check_servable, kv_layout
 from .config import EngineConfig
 from .detokenizer import Detokenizer
@@ -81,7 +82,7 @@ class LLMEngine:
         self.stats_ = Stats(model_devices(self.target, self.draft) | {torch.device(config.device)})
         pad_id = self.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else min(self.eos_ids, default=0)
-        layout = kv_layout(config.method, (self.target, self.draft))
+        layout = kv_layout(config, (self.target, self.draft))
         self.faults = Faults(config.fault_injection)
         self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_,
                                   layout, self.faults,
@@ -96,6 +97,23 @@ class LLMEngine:
         self._auto_ids = itertools.count()
         self._seeds = random.Random(config.seed)     # for requests that bring no seed
         self._ticks = 0
+        self.warm_up: compiled.WarmUp | None = None
+        if not config.enforce_eager:
+            self._compile_decode_path()
+
+    def _compile_decode_path(self) -> None:
+        """Compile the step's forwards and run each kind once, so that READY means warm."""
+        for model in (m for m in (self.target, self.draft) if m is not None):
+            if model not in self.pair.decode_forwards:
+                self.pair.decode_forwards[model] = compiled.CompiledForward(model)
+        self.runner.decode_forwards = self.pair.decode_forwards
+        stats, self.runner.stats = self.runner.stats, Stats(model_devices(self.target, self.draft))
+        try:
+            self.warm_up = compiled.warm_up(
+                self.runner, self._sequence, self.config.num_speculative_tokens,
+                self.target.get_output_embeddings().weight.shape[0])
+        finally:
+            self.runner.stats = stats
 
     # -- intake (thread-safe) ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -110,9 +128,7 @@ class LLMEngine:
                                       f"{self.config.max_output_tokens}")
         with self._lock:   # a fresh seed per unseeded request: each is its own exact sample
             seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
-        seq = Sequence(request_id, prompt_ids, params, max_tokens, self.max_model_len,
-                       self.eos_ids, Detokenizer(self.tokenizer, params.stop, start=len(prompt_ids)),
-                       seed, self.config.sampling_coupling)
+        seq = self._sequence(request_id, prompt_ids, params, max_tokens, seed)
         with self._lock:
             if request_id in self._live_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in flight")
@@ -138,6 +154,13 @@ class LLMEngine:
         """Block until a request is in flight (or the timeout passes), without spinning."""
         with self._work:
             return self._work.wait_for(lambda: bool(self._live_ids), timeout)
+
+    def _sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  max_tokens: int | None = None, seed: int = 0) -> Sequence:
+        return Sequence(request_id, prompt_ids, params, max_tokens or params.max_tokens,
+                        self.max_model_len, self.eos_ids,
+                        Detokenizer(self.tokenizer, params.stop, start=len(prompt_ids)),
+                        seed, self.config.sampling_coupling)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):

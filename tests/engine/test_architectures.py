@@ -170,17 +170,18 @@ def test_mistral_without_a_window_is_exact(method):
 @pytest.mark.parametrize("model_type, config", [("bloom", {}), ("falcon", {"alibi": True})])
 def test_alibi_from_a_2d_mask_runs_exspec_on_the_right_aligned_layout(model_type, config):
     """Bloom (and Falcon with `alibi: true`) build ALiBi from the 2D mask's cumulative sum and
-    take no 4D mask (exspec's slot layout crashed them at the first request): exspec runs them
+    take no 4D mask (exspec's own layout crashed them at the first request): exspec runs them
     on EQSPEC's right-aligned layout, realigning each stepped group, exactly; other models keep
-    the slot layout."""
-    from exspec.kv import PaddedKV, SlotKV
+    the block store."""
+    from exspec.kv import PaddedKV
+    from exspec.kv_blocks import BlockStores
     target, draft = build(model_type, **config)
     loaded = ModelPair(tokenizer(), target, draft, set(), 256)
     served = LLMEngine(EngineConfig(target_model="a", draft_model="a", method="exspec",
                                     num_speculative_tokens=3, max_batch_size=4, adaptive_k=False),
                        pair=loaded)
     assert served.runner.kv_layout is PaddedKV
-    assert engine("llama", "exspec").runner.kv_layout is SlotKV
+    assert isinstance(engine("llama", "exspec").runner.kv_layout, BlockStores)
     prompts = MATRIX_PROMPTS
     outs = served.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
     assert [o.token_ids for o in outs] == [greedy_reference(target, p, 10) for p in prompts]

@@ -36,13 +36,15 @@ def tiny_gemma3(window: int, layers: int, seed: int = 0):
 
 
 def held_bytes(engine: LLMEngine, model, role: str) -> dict[str, int]:
-    """KV bytes of `model`'s caches in the pool, by layer type (buffers as allocated)."""
+    """KV bytes of `model`'s caches in the pool, by layer type, as allocated (each buffer once:
+    EXSPEC's groups share one store)."""
     types = model.config.layer_types
-    held = dict.fromkeys(set(types), 0)
+    held, seen = dict.fromkeys(set(types), 0), set()
     for group in engine.pool.groups:
         kv = getattr(group, f"{role}_kv")
         for kind, layer in zip(types, kv.cache.layers):
-            if layer.is_initialized:
+            if layer.is_initialized and layer.keys.data_ptr() not in seen:
+                seen.add(layer.keys.data_ptr())
                 held[kind] += layer.keys.nbytes + layer.values.nbytes
     return held
 
