@@ -1,11 +1,12 @@
 """Which architectures the KV layouts serve exactly, decided when the model loads (DESIGN §3.6).
 
-Both layouts (kv.py) keep one cache entry per committed token in every layer (sliding-window
-layers too), give every row its own positions through `position_ids`, and describe what each
-query may see with an attention mask (EQSPEC: 2D, right-aligned, when every layer is full
-attention; otherwise, and always in EXSPEC, one 4D mask per layer type, built from positions). A model
-that needs anything else would load, report READY and then fail (or, worse, differ) at the
-first request; here it is refused instead, with its architecture and the reason. The sweep
+Both layouts (kv.PaddedKV, kv_blocks.BlockKV) keep one cache entry per committed token in
+every layer (sliding-window layers too), give every row its own positions through
+`position_ids`, and describe what each query may see with an attention mask (EQSPEC's
+right-aligned rows: 2D when every layer is full attention; otherwise, and always in EXSPEC's
+block store, one 4D mask per layer type built from positions, kv.LayerMasks). A model that
+needs anything else would load, report READY and then fail (or, worse, differ) at the first
+request; here it is refused instead, with its architecture and the reason. The sweep
 test (tests/engine/test_architectures.py) runs every causal-LM type of the pinned transformers
 against these rules: each one is exact or refused here.
 """
