@@ -65,8 +65,23 @@ def bench_inputs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bench_run(bench_inputs):
     root, args = bench_inputs
-    assert main(args + ["--max-tokens", "6", "--out", str(root / "out")]) == 0
+    assert main(args + ["--max-tokens", "6", "--fixed-k", "1,3", "--out", str(root / "out")]) == 0
     return root / "out"
+
+
+def test_adaptive_k_is_compared_with_every_fixed_k(bench_run):
+    """--fixed-k runs each fixed k beside adaptive k; results.md compares adaptive with the best."""
+    cells = json.loads((bench_run / "results.json").read_text())["cells"]
+    for method in ("eqspec", "exspec"):
+        for batch in (1, 2):
+            fixed = sorted(c["k"] for c in cells if c["method"] == method and c["batch_size"] == batch
+                           and c["adaptive_k"] is False)
+            assert fixed == [1, 3], f"{method} B={batch}: fixed k's {fixed}"
+    md = (bench_run / "results.md").read_text()
+    table = md.split("## Adaptive k against the best fixed k")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| exspec (adaptive") or
+            line.startswith("| eqspec (adaptive")]
+    assert len(rows) == 4, table
 
 
 def test_bench_writes_the_three_files(bench_run):
@@ -109,11 +124,11 @@ def test_speculative_methods_match_the_reference_exactly(bench_run):
 
 def test_speedups_are_relative_to_autoregressive_and_batch_one(bench_run):
     cells = json.loads((bench_run / "results.json").read_text())["cells"]
-    by = {(c["method"], c["batch_size"], c["adaptive_k"]): c for c in cells}
+    by = {(c["method"], c["batch_size"], c["k"], c["adaptive_k"]): c for c in cells}
     for c in cells:
-        ar = by["autoregressive", c["batch_size"], None]
+        ar = by["autoregressive", c["batch_size"], 0, None]
         assert c["speedup_vs_autoregressive"] == pytest.approx(c["tokens_per_s"] / ar["tokens_per_s"])
-        b1 = by[c["method"], 1, c["adaptive_k"]]
+        b1 = by[c["method"], 1, c["k"], c["adaptive_k"]]
         assert c["speedup_vs_batch1"] == pytest.approx(c["tokens_per_s"] / b1["tokens_per_s"])
 
 

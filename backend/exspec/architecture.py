@@ -19,7 +19,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_
                                                     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
 
 from .errors import ModelLoadError
-from .kv import LayerMasks, PaddedKV, cache_layer_classes
+from .kv import LayerMasks, PaddedKV, cache_layer_classes, uses_alibi
 from .kv_blocks import BlockStores
 
 ENCODER_DECODER_TYPES = set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES) | set(
@@ -98,7 +98,7 @@ def _check(model) -> None:
     if cfg.model_type in MASK_REWRITTEN_FOR_IMAGES:
         raise Refused("it widens a 2D attention mask over image-patch cache entries even for "
                       "text-only input, which misaligns padded rows")
-    alibi = _uses_alibi(cfg)
+    alibi = uses_alibi(cfg)
     if "position_ids" not in params and not alibi:
         raise Refused("its forward takes no position ids: it derives positions from the cache "
                       "length, so the rows of a batch cannot each keep their own (I1)")
@@ -120,18 +120,12 @@ def kv_layout(config, models):
 
 
 def _alibi_from_2d_mask(cfg) -> bool:
-    return _uses_alibi(cfg) and cfg.model_type in ALIBI_FROM_2D_MASK
+    return uses_alibi(cfg) and cfg.model_type in ALIBI_FROM_2D_MASK
 
 
 def _has_cross_attention(model) -> bool:
     return any(name.endswith(("encoder_attn", "crossattention", "cross_attn"))
                for name, _ in model.named_modules())
-
-
-def _uses_alibi(cfg) -> bool:
-    attn = getattr(cfg, "attn_config", None)
-    return (cfg.model_type == "bloom" or bool(getattr(cfg, "alibi", False))
-            or bool(getattr(attn, "alibi", False)))
 
 
 @torch.inference_mode()

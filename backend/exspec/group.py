@@ -28,10 +28,10 @@ class Group:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def sampling(self, device) -> RowSampling:
+    def sampling(self, device, to_device=None) -> RowSampling:
         if self._sampling is None:
             self._sampling = RowSampling.from_params([s.params for s in self.seqs], device,
-                                                     [s.seed for s in self.seqs])
+                                                     [s.seed for s in self.seqs], to_device)
         return self._sampling
 
     @property

@@ -45,6 +45,13 @@ def new_cache(model) -> DynamicCache:
     return cache
 
 
+def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    """[B, q, W] bool -> the [B, 1, q, W] additive mask HF attention takes (0 or dtype min:
+    finite, so a query with nothing to see, a pad, gets a harmless average, not NaN)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
 @dataclass(frozen=True)
 class LayerMasks:
     """How one model's layers mask attention: the sliding window of each layer type (None: full
@@ -86,9 +93,7 @@ class LayerMasks:
                 allowed = seen
             else:
                 allowed = seen & (query_pos[:, :, None] - key_pos[..., None, :] < window)
-            # finite, not -inf: a query with nothing to see (a pad) gets a harmless average
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
-            masks[kind] = mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
+            masks[kind] = _additive(allowed, self.dtype)
         return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
@@ -105,20 +110,36 @@ def _on(index: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return index if index.device == tensor.device else index.to(tensor.device)
 
 
+def _cuts_on_device(counts: list[int], counts_dev: torch.Tensor | None, device) -> torch.Tensor:
+    """The per-row cut counts on the device: the runner's own device tensor when it has one
+    (no copy), else one copy of the host list."""
+    return counts_dev if counts_dev is not None else torch.tensor(counts, device=device)
+
+
+def uses_alibi(cfg) -> bool:
+    """ALiBi models (Bloom, Falcon with alibi, MPT) derive their position biases from a 2D
+    padding mask's running sum, so they need one (and cannot take EXSPEC's 4D mask)."""
+    attn = getattr(cfg, "attn_config", None)
+    return (cfg.model_type == "bloom" or bool(getattr(cfg, "alibi", False))
+            or bool(getattr(attn, "alibi", False)))
+
+
 class PaddedKV:
     """One model's cache for a group of rows, right-aligned, with a validity mask."""
 
-    def __init__(self, cache: DynamicCache, valid: torch.Tensor,
-                 masks: LayerMasks = FULL_ATTENTION):
+    def __init__(self, cache: DynamicCache, valid: torch.Tensor, lengths: list[int],
+                 masks: LayerMasks = FULL_ATTENTION, mask_2d: bool = False):
         self.cache = cache
+        self.mask_2d = mask_2d      # the model reads positions off a 2D mask (ALiBi: Bloom)
         self.valid = valid          # [B, L] bool
-        self.masks = masks
+        self.lengths = lengths      # host: valid entries per row (never read back from `valid`)
+        self.masks = masks          # each layer type's window, the masks' dtype
         self.aligned = True         # host-side: every row's entries are its last n_i columns
 
     @classmethod
     def empty(cls, model, batch: int, device) -> "PaddedKV":
         return cls(new_cache(model), torch.zeros(batch, 0, dtype=torch.bool, device=device),
-                   LayerMasks.of(model))
+                   [0] * batch, LayerMasks.of(model), uses_alibi(model.config))
 
     @property
     def width(self) -> int:
@@ -131,13 +152,19 @@ class PaddedKV:
 
     # -- a forward pass: the mask to pass in, then the bookkeeping after it -------------------
     def attention_mask(self, input_valid: torch.Tensor, counts: list[int],
-                       positions: torch.Tensor):
-        """positions [B, q]: the inputs' positions (I1)."""
-        valid = torch.cat([self.valid, input_valid], dim=1)
-        if self.masks.all_full:   # 2D: the model adds causality (ALiBi models, their positions)
-            return valid.long()
-        key_pos = valid.cumsum(1) - 1   # a valid column's position in its row (I1)
-        return self.masks.build(key_pos, valid, positions)
+                       positions: torch.Tensor) -> torch.Tensor | dict | None:
+        """None where no row has padding (the model's own masks are exact, sliding windows
+        included: a column is then a position, and HF skips building one where it can); else
+        one 4D mask per layer type from the rows' positions (a 2D mask would make HF read it back
+        to see whether it is all ones). positions [B, q]: the inputs' positions (I1)."""
+        q = input_valid.shape[1]
+        keys = torch.cat([self.valid, input_valid], dim=1)                     # [B, W + q]
+        if self.mask_2d:
+            return keys.long()
+        if self.aligned and min(self.lengths, default=0) == self.width and min(counts) == q:
+            return None
+        key_pos = keys.cumsum(1) - 1   # a valid column's position in its row (I1)
+        return self.masks.build(key_pos, keys, positions)
 
     def appended(self, input_valid: torch.Tensor, counts: list[int]) -> None:
         """Record the q columns the forward just appended (input_valid [B, q], left-padded;
@@ -145,16 +172,19 @@ class PaddedKV:
         if min(counts) < input_valid.shape[1] and self.width > 0:
             self.aligned = False    # pad inputs sit between old and new entries: holes
         self.valid = torch.cat([self.valid, input_valid], dim=1)
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
 
     # -- after verification -------------------------------------------------------------------
-    def drop_tail(self, counts: list[int]) -> None:
-        """Forget the last counts[i] appended entries of row i (rejected drafts)."""
+    def drop_tail(self, counts: list[int], counts_dev: torch.Tensor | None = None) -> None:
+        """Forget the last counts[i] appended entries of row i (rejected drafts); `counts_dev`,
+        when given, holds the same counts on the device."""
         if not counts or max(counts) == 0:
             return
+        self.lengths = [n - c for n, c in zip(self.lengths, counts)]
         if self.aligned and min(counts) == max(counts):
             self._keep_columns(slice(0, self.width - counts[0]))   # a view: nothing moves
             return
-        cut = torch.tensor(counts, device=self.valid.device)
+        cut = _cuts_on_device(counts, counts_dev, self.valid.device)
         cols = torch.arange(self.width, device=self.valid.device)
         self.valid &= cols[None, :] < (self.width - cut)[:, None]
         self.aligned = False
@@ -164,7 +194,7 @@ class PaddedKV:
         if self.aligned:
             return 0
         counts = self.valid.sum(1)
-        width = int(counts.max())
+        width = max(self.lengths)
         # A stable sort of the mask puts each row's invalid columns first and its valid ones
         # last, in order: the last `width` sorted indices are the gather source of every row.
         order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, -width:]
@@ -184,6 +214,7 @@ class PaddedKV:
         """Keep only `rows` (in that order); returns bytes copied."""
         index = torch.tensor(rows, device=self.valid.device)
         self.valid = self.valid.index_select(0, index)
+        self.lengths = [self.lengths[i] for i in rows]
         moved = 0
         for layer in _layers(self.cache):
             layer.keys = layer.keys.index_select(0, _on(index, layer.keys))
@@ -197,9 +228,9 @@ class PaddedKV:
         """Stack groups row-wise, left-padding the narrower ones; returns (merged, bytes copied)."""
         moved = sum(part.compact() for part in parts)
         width = max(p.width for p in parts)
-        merged = cls.empty(model, sum(p.batch for p in parts), parts[0].valid.device)
-        merged.valid = torch.cat([torch.nn.functional.pad(p.valid, (width - p.width, 0))
-                                  for p in parts], dim=0)
+        merged = cls(new_cache(model),
+                     torch.cat([torch.nn.functional.pad(p.valid, (width - p.width, 0)) for p in parts]),
+                     [n for p in parts for n in p.lengths], parts[0].masks, parts[0].mask_2d)
         for i, layer in enumerate(merged.cache.layers):
             sources = [p.cache.layers[i] for p in parts if p.cache.layers[i].is_initialized]
             if len(sources) != len(parts):
@@ -214,12 +245,11 @@ class PaddedKV:
 
     # -- helpers -------------------------------------------------------------------------------
     def _trim_left(self) -> None:
-        """Drop leading columns that no row uses (minimal left padding); a view, no copy."""
-        if self.width == 0:
-            return
-        used = int(self.valid.any(0).to(torch.int8).argmax()) if self.valid.any() else self.width
-        if used > 0:
-            self._keep_columns(slice(used, self.width))
+        """Drop leading columns that no row uses (minimal left padding); a view, no copy. Only
+        when aligned (from the host lengths): otherwise the realignment that follows leaves the
+        minimal width anyway."""
+        if self.aligned and self.width > max(self.lengths, default=0):
+            self._keep_columns(slice(self.width - max(self.lengths, default=0), self.width))
 
     def _keep_columns(self, cols: slice) -> None:
         self.valid = self.valid[:, cols]

@@ -212,8 +212,9 @@ class BlockKV:
         for table, c in zip(self.tables, counts):
             table.length += c
 
-    def drop_tail(self, counts: list[int]) -> None:
-        """Forget the last counts[i] entries of row i: a length change, nothing moves."""
+    def drop_tail(self, counts: list[int], counts_dev: torch.Tensor | None = None) -> None:
+        """Forget the last counts[i] entries of row i: a length change, nothing moves (the host
+        lengths are all it needs; `counts_dev`, the same on the device, goes unused)."""
         for table, c in zip(self.tables, counts):
             table.length -= c
 

@@ -20,6 +20,7 @@ from .noise import gumbel
 from .sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
 from .sequence import Sequence
 from .stats import Stats
+from .transfer import Transfers
 from .vocab import PaddedVocab, logit_rows
 
 
@@ -46,21 +47,24 @@ class ModelRunner:
         self.device = torch.device(device)
         self.stats = stats
         self.decode_forwards: dict = {}   # model -> its compiled forward (compiled.py), if used
+        self.transfers = Transfers(device)
 
     # -- building blocks ----------------------------------------------------------------------
-    def _ragged_input(self, tails: list[list[int]], starts: list[int]):
-        """Left-padded ids, positions and validity for rows feeding different token counts."""
+    def _ragged_input(self, tails: list[list[int]], starts: list[int], extra: list[list[int]] = ()):
+        """Left-padded ids, positions and validity for rows feeding different token counts, plus
+        `extra` per-row host ints ([E][B]), built on the host and sent in one copy."""
         width = max(len(t) for t in tails)
-        ids = torch.full((len(tails), width), self.pad_id, dtype=torch.long)
-        pos = torch.zeros((len(tails), width), dtype=torch.long)
-        valid = torch.zeros((len(tails), width), dtype=torch.bool)
-        for row, (tail, start) in enumerate(zip(tails, starts)):
-            n = len(tail)
-            ids[row, width - n:] = torch.tensor(tail)
-            pos[row, width - n:] = torch.arange(start, start + n)
-            valid[row, width - n:] = True
+        ids, pos, valid = [], [], []
+        for tail, start in zip(tails, starts):
+            pad = width - len(tail)
+            ids += [self.pad_id] * pad + tail
+            pos += [0] * pad + list(range(start, start + len(tail)))
+            valid += [0] * pad + [1] * len(tail)
+        rows = len(tails)
+        flat = self.transfers.ints_to_device(ids + pos + valid + [v for row in extra for v in row])
+        inputs = flat[:3 * rows * width].view(3, rows, width)
         counts = [len(t) for t in tails]
-        return ids.to(self.device), pos.to(self.device), valid.to(self.device), counts
+        return inputs[0], inputs[1], inputs[2].bool(), counts, flat[3 * rows * width:].view(len(extra), rows)
 
     def _forward(self, model, kv, ids, pos, valid, counts: list[int], keep: int, decode=True):
         """decode: a forward of a step (compiled on the compiled path); a prefill is not."""
@@ -83,16 +87,16 @@ class ModelRunner:
         for row, seq in enumerate(seqs):
             if seq.generator is not None:
                 u[row] = torch.rand(count, generator=seq.generator)
-        return u.to(self.device)
+        return self.transfers.to_device(u)
 
-    def _noise(self, rows: RowSampling, seqs: list[Sequence], count: int) -> torch.Tensor | None:
-        """[B, count, V] Gumbel noise of each row's next `count` positions, computed once per step
-        and shared by the draft's proposals and the target's verification; None when no row needs
-        it (all greedy, or rejection sampling)."""
+    def _noise(self, rows: RowSampling, first: torch.Tensor, count: int) -> torch.Tensor | None:
+        """[B, count, V] Gumbel noise of each row's positions first .. first+count-1 (`first` [B],
+        on the device), computed once per step and shared by the draft's proposals and the
+        target's verification; None when no row needs it (all greedy, or rejection sampling)."""
         if rows.all_greedy or self.coupling != "gumbel":
             return None
-        positions = torch.tensor([s.num_tokens for s in seqs], device=self.device)[:, None]
-        return gumbel(rows.seed, positions + torch.arange(count, device=self.device), self.noise_width)
+        positions = first[:, None] + torch.arange(count, device=self.device)
+        return gumbel(rows.seed, positions, self.noise_width)
 
     # -- prefill --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -100,7 +104,8 @@ class ModelRunner:
         """Prefill new sequences, batched, for both models; commits each one's first token."""
         with self.stats.timer("prefill"):
             prompts = [list(s.tokens) for s in seqs]
-            ids, pos, valid, counts = self._ragged_input(prompts, [0] * len(seqs))
+            ids, pos, valid, counts, (first_pos,) = self._ragged_input(
+                prompts, [0] * len(seqs), [[len(p) for p in prompts]])
             target_kv = self.kv_layout.empty(self.target, len(seqs), self.device)
             logits = self._forward(self.target, target_kv, ids, pos, valid, counts, keep=1, decode=False)
             draft_kv = None
@@ -108,10 +113,10 @@ class ModelRunner:
                 draft_kv = self.kv_layout.empty(self.draft, len(seqs), self.device)
                 self._forward(self.draft, draft_kv, ids, pos, valid, counts, keep=1, decode=False)
             group = Group(seqs, target_kv, draft_kv)
-            rows = group.sampling(self.device)
-            first, _ = self._pick(logits[:, 0], rows, seqs, self._noise(rows, seqs, 1))
+            rows = group.sampling(self.device, self.transfers.to_device)
+            first, _ = self._pick(logits[:, 0], rows, seqs, self._noise(rows, first_pos, 1))
             lp = token_logprobs(logits[:, :1], first[:, None], [s.params.logprobs for s in seqs])
-            for row, (seq, token) in enumerate(zip(seqs, first.tolist())):
+            for row, (seq, token) in enumerate(zip(seqs, self.transfers.to_host(first))):
                 seq.num_cached_target = seq.num_cached_draft = len(seq.tokens)
                 seq.append([token], lp[row])
             n = sum(len(p) for p in prompts)
@@ -127,7 +132,7 @@ class ModelRunner:
             return  # the first draft forward of the next step feeds up to two tokens anyway
         with self.stats.timer("prefill"):
             tails = [s.tokens[s.num_cached_draft:-1] for s in group.seqs]
-            ids, pos, valid, counts = self._ragged_input(tails, [s.num_cached_draft for s in group.seqs])
+            ids, pos, valid, counts, _ = self._ragged_input(tails, [s.num_cached_draft for s in group.seqs])
             self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)
             for seq, tail in zip(group.seqs, tails):
                 seq.num_cached_draft += len(tail)
@@ -137,21 +142,27 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, group: Group, k: int) -> StepResult:
         seqs = group.seqs
-        rows = group.sampling(self.device)
+        rows = group.sampling(self.device, self.transfers.to_device)
         coupled = self._coupled(rows)
         # rejection sampling: one uniform per draft token, per acceptance test, and for the final token
         u = None if coupled else self._uniforms(seqs, 2 * k + 1)
-        noise = self._noise(rows, seqs, k + 1)   # gumbel: positions m .. m+k, draft and target alike
-
         if k > 0:
             self.catch_up_draft(group)
+        # The step's one host-to-device copy: the draft's first input (what its cache lacks: 1-2
+        # tokens per row) and, per row, the pending token, its position and the row's k cap.
+        per_row = [[s.pending_token for s in seqs], [s.num_tokens - 1 for s in seqs],
+                   [self._row_k(s, k) for s in seqs]]
+        tails = [s.tokens[s.num_cached_draft:] for s in seqs] if k > 0 else [[]] * len(seqs)
+        draft_in = self._ragged_input(tails, [s.num_cached_draft for s in seqs], per_row)
+        pending, start, caps = draft_in[-1]
+        noise = self._noise(rows, start + 1, k + 1)   # gumbel: positions m .. m+k, draft and target alike
+
+        if k > 0:
             with self.stats.timer("draft"):
-                draft_tokens, q = self._draft(group, k, rows, u, noise)
+                draft_tokens, q = self._draft(group, k, rows, u, noise, draft_in[:4], start + 1)
 
         with self.stats.timer("verify"):
-            pending = torch.tensor([[s.pending_token] for s in seqs], device=self.device)
-            ids = pending if k == 0 else torch.cat([pending, draft_tokens], dim=1)
-            start = torch.tensor([s.num_tokens - 1 for s in seqs], device=self.device)
+            ids = pending[:, None] if k == 0 else torch.cat([pending[:, None], draft_tokens], dim=1)
             pos = start[:, None] + torch.arange(k + 1, device=self.device)
             valid = torch.ones_like(ids, dtype=torch.bool)
             logits = self._forward(self.target, group.target_kv, ids, pos, valid, [k + 1] * len(seqs), keep=k + 1)
@@ -166,8 +177,8 @@ class ModelRunner:
                 p = probs_from_logits(logits, rows)
                 num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
             lp = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
-            # the one host transfer of the step
-            host = torch.cat([num_accepted[:, None], tokens], dim=1).tolist()
+            # the step's one device-to-host copy
+            host = self.transfers.to_host(torch.cat([num_accepted[:, None], tokens], dim=1))
 
         committed, accepted = [], []
         target_cut, draft_cut = [], []
@@ -182,20 +193,20 @@ class ModelRunner:
                 draft_cut.append(max(0, k - 1 - a))        # draft holds m+k-1, keeps <= m+a
                 seq.num_cached_draft = min(m + k - 1, m + a)
                 seq.observe_acceptance(a, k)
-        group.target_kv.drop_tail(target_cut)
+        # the same cuts on the device, from the device's own counts (no copy back up)
+        kept = torch.minimum(num_accepted, caps)
+        group.target_kv.drop_tail(target_cut, k - kept)
         if k > 0:
-            group.draft_kv.drop_tail(draft_cut)
+            group.draft_kv.drop_tail(draft_cut, (k - 1 - kept).clamp_min(0))
         self._count(seqs, k, accepted, committed)
         return StepResult(committed, accepted, k)
 
     def _draft(self, group: Group, k: int, rows: RowSampling, u: torch.Tensor | None,
-               noise: torch.Tensor | None):
+               noise: torch.Tensor | None, first_input, next_pos: torch.Tensor):
         """k draft tokens per row (and their distributions when sampling), feeding the draft
-        only what its cache lacks."""
+        only what its cache lacks (`first_input`: ids, positions, validity, counts)."""
         seqs = group.seqs
-        tails = [s.tokens[s.num_cached_draft:] for s in seqs]
-        ids, pos, valid, counts = self._ragged_input(tails, [s.num_cached_draft for s in seqs])
-        next_pos = torch.tensor([s.num_tokens for s in seqs], device=self.device)
+        ids, pos, valid, counts = first_input
         tokens, probs = [], []
         for j in range(k):
             logits = self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)

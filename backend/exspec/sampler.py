@@ -22,25 +22,30 @@ COUPLINGS = ("gumbel", "rejection")
 
 @dataclass
 class RowSampling:
-    """Per-row sampling settings of a group, as device tensors (built once per group)."""
-    greedy: torch.Tensor       # [B] bool
-    temperature: torch.Tensor  # [B] float (1.0 where greedy, unused there)
-    top_k: torch.Tensor        # [B] long, 0 = off
-    top_p: torch.Tensor        # [B] float
-    seed: torch.Tensor         # [B] long, the key of each row's Gumbel noise
-    all_greedy: bool           # known on the host: no device sync to take the greedy shortcut
+    """Per-row sampling settings of a group, as device tensors (built once per group; an
+    all-greedy group, which never reads them, builds none)."""
+    greedy: torch.Tensor | None       # [B] bool
+    temperature: torch.Tensor | None  # [B] float (1.0 where greedy, unused there)
+    top_k: torch.Tensor | None        # [B] long, 0 = off
+    top_p: torch.Tensor | None        # [B] float
+    seed: torch.Tensor | None         # [B] long, the key of each row's Gumbel noise
+    all_greedy: bool                  # known on the host: no device sync to take the greedy shortcut
 
     @classmethod
-    def from_params(cls, params_list, device, seeds: list[int] | None = None) -> "RowSampling":
-        return cls(
-            greedy=torch.tensor([p.greedy for p in params_list], device=device),
-            temperature=torch.tensor([p.temperature if not p.greedy else 1.0 for p in params_list],
-                                     device=device, dtype=torch.float32),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params_list], device=device),
-            top_p=torch.tensor([p.top_p for p in params_list], device=device, dtype=torch.float32),
-            seed=torch.tensor(seeds or [0] * len(params_list), device=device, dtype=torch.long),
-            all_greedy=all(p.greedy for p in params_list),
-        )
+    def from_params(cls, params_list, device, seeds: list[int] | None = None,
+                    to_device=None) -> "RowSampling":
+        """`to_device` copies a host tensor to the device (the runner's counted copy); the
+        settings cross in two copies, one of ints and one of floats."""
+        if all(p.greedy for p in params_list):
+            return cls(None, None, None, None, None, all_greedy=True)
+        to_device = to_device or (lambda t: t.to(device))
+        ints = to_device(torch.tensor([[int(p.greedy) for p in params_list],
+                                       [max(p.top_k, 0) for p in params_list],
+                                       seeds or [0] * len(params_list)], dtype=torch.long))
+        floats = to_device(torch.tensor([[p.temperature if not p.greedy else 1.0 for p in params_list],
+                                         [p.top_p for p in params_list]], dtype=torch.float32))
+        return cls(greedy=ints[0].bool(), temperature=floats[0], top_k=ints[1], top_p=floats[1],
+                   seed=ints[2], all_greedy=False)
 
 
 def processed_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
@@ -62,6 +67,8 @@ def probs_from_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     """[B, T, V] logits -> [B, T, V] float32 probabilities after temperature, top-k and top-p
     (one-hot at the argmax for greedy rows of a mixed group)."""
     one_hot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    if rows.all_greedy:
+        return one_hot
     return torch.where(rows.greedy[:, None, None], one_hot, processed_logits(logits, rows).softmax(-1))
 
 
@@ -71,6 +78,8 @@ def perturbed_scores(logits: torch.Tensor, rows: RowSampling, noise: torch.Tenso
     positions being chosen (noise.gumbel; a token's noise does not depend on the width, so a
     draft with a smaller vocabulary takes the first V columns)."""
     logits = logits.float()
+    if rows.all_greedy:
+        return logits
     noisy = processed_logits(logits, rows) + noise[..., :logits.shape[-1]]
     return torch.where(rows.greedy[:, None, None], logits, noisy)
 

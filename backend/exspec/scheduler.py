@@ -21,12 +21,18 @@ class Plan:
 
 
 class AdaptiveK:
-    """k per group from measured acceptance and measured step cost, with hysteresis.
+    """k per group from the tokens each k commits and measured step cost, with hysteresis.
 
-    Expected committed tokens per row-step at per-token acceptance a and k drafts:
-    (1 - a^(k+1)) / (1 - a). The acceptance a is estimated per sequence (and pool-wide, as the
-    prior for new sequences) as accepted / (accepted + rejections) over recent steps: each
-    step accepts a run of drafts and ends in at most one rejection. Step cost is an exponential
+    Committed tokens per row-step at k are measured, not modelled: a step at k whose row
+    accepted a drafts would have committed min(a, k') + 1 tokens at any k' <= k (greedy and the
+    gumbel coupling accept the same prefix whatever k), so every step updates the yield of
+    every k' up to its own. The geometric model (1 - a^(k+1)) / (1 - a) at per-token acceptance
+    a is only the fallback for a k with no measured yield yet: acceptance comes in runs (a row
+    that accepts its first drafts tends to accept them all), so on the demo pair at k = 5 it
+    predicted 3.5 tokens per row-step where 4.7 were committed, and steered k too low. Its
+    acceptance a is estimated per sequence (and pool-wide, as the prior for new sequences) as
+    accepted / (accepted + rejections) over recent steps.
+    Step cost is an exponential
     moving average of measured step times per (batch-size bucket, k); a bucket not yet measured
     at some k borrows the nearest measured bucket's cost at that k (scaled by their plain-step
     costs), a k measured nowhere is interpolated in k from the bucket's measured k's (each
@@ -44,12 +50,17 @@ class AdaptiveK:
     PROBE_EVERY = 8         # plain steps before speculation is tried again (doubles up to 256)
     EMA = 0.2
     DECAY = 0.9             # of the pool-wide acceptance counts, per speculative step
+    YIELD_DECAY = 0.98      # of the measured yields, per row-step (a memory of ~50 row-steps)
+    MIN_YIELD_ROWS = 4.0    # row-steps before a measured yield replaces the geometric model
 
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.step_time: dict[tuple[int, int], float] = {}   # (bucket, k) -> seconds
         self.recent_accepted, self.recent_rejections = 7.0, 3.0   # prior: acceptance 0.7
         self.probe_every = self.PROBE_EVERY
+        # decayed sums, per k: tokens a row-step would have committed at k, and row-steps seen
+        self.yield_tokens = [0.0] * (max_k + 1)
+        self.yield_rows = [0.0] * (max_k + 1)
 
     @property
     def acceptance(self) -> float:
@@ -89,11 +100,19 @@ class AdaptiveK:
         t1, t2 = self.step_time[bucket, k1], self.step_time[bucket, k2]
         return max(t1 + (t2 - t1) * (k - k1) / (k2 - k1), min(t1, t2) * 0.5)
 
+    def tokens_per_row_step(self, acceptance: float, k: int) -> float:
+        """Measured committed tokens per row-step at k, else the geometric model's."""
+        if k == 0:
+            return 1.0
+        if k < len(self.yield_rows) and self.yield_rows[k] >= self.MIN_YIELD_ROWS:
+            return self.yield_tokens[k] / self.yield_rows[k]
+        return self.expected_tokens(acceptance, k)
+
     def rate(self, batch: int, k: int, acceptance: float) -> float:
         cost = self.cost(batch, k)
         if cost is None:
             return float("inf")   # never measured: try it
-        return batch * self.expected_tokens(acceptance, k) / cost
+        return batch * self.tokens_per_row_step(acceptance, k) / cost
 
     def choose(self, group: Group, cap: int) -> int:
         acceptance = group.acceptance(self.acceptance)
@@ -126,6 +145,10 @@ class AdaptiveK:
             self.recent_accepted = self.DECAY * self.recent_accepted + sum(accepted)
             self.recent_rejections = (self.DECAY * self.recent_rejections
                                       + sum(a < k for a in accepted))
+            decay = self.YIELD_DECAY ** len(accepted)
+            for kk in range(1, min(k, self.max_k) + 1):   # what each k' <= k would have committed
+                self.yield_tokens[kk] = decay * self.yield_tokens[kk] + sum(min(a, kk) + 1 for a in accepted)
+                self.yield_rows[kk] = decay * self.yield_rows[kk] + len(accepted)
 
 
 class Scheduler:

@@ -42,6 +42,13 @@ class Transfers:
         return tensor.tolist()
 
 
+# Ops that read device values on the host. Which one a read dispatches as depends on the mode
+# (`.item()` is `item` under inference_mode and `_local_scalar_dense` outside it; `bool()` is
+# `is_nonzero`); `nonzero` and `equal` wait for the device to learn a shape or an answer.
+HOST_READS = {torch.ops.aten._local_scalar_dense, torch.ops.aten.item, torch.ops.aten.is_nonzero,
+              torch.ops.aten.equal, torch.ops.aten.nonzero}
+
+
 class TransferAudit(TorchDispatchMode):
     """Counts every host <-> device crossing inside its block: host data turned into a tensor
     (`torch.tensor`, a host-to-device copy on a GPU engine), scalars read back (`.item()`,
@@ -59,7 +66,7 @@ class TransferAudit(TorchDispatchMode):
         if func is torch.ops.aten.lift_fresh.default:
             self.h2d += 1
             self.where.append(name)
-        elif func is torch.ops.aten._local_scalar_dense.default:
+        elif func.overloadpacket in HOST_READS:
             self.d2h += 1
             self.where.append(name)
         return func(*args, **(kwargs or {}))

@@ -129,7 +129,7 @@ def _seeded_reference(target_path: str, prompt: tuple, temperature: float, top_p
     with torch.no_grad():
         while len(tokens) - len(prompt) < max_tokens and len(tokens) < max_len:
             logits = model(input_ids=torch.tensor([tokens])).logits[:, -1:]
-            noise = gumbel(rows.seed, torch.tensor([[len(tokens)]]), logits.shape[-1])
+            noise = gumbel(torch.tensor([seed]), torch.tensor([[len(tokens)]]), logits.shape[-1])
             scores = perturbed_scores(logits, rows, noise)[0, 0]
             best, second = scores.topk(2).values.tolist()
             gaps.append(best - second)

@@ -95,10 +95,10 @@ def test_shifted_positions_break_equivalence(pairs, reference, monkeypatch, arch
     """Negative control: positions off by one for padded rows must be caught by the oracle."""
     original = ModelRunner._ragged_input
 
-    def shifted(self, tails, starts):
-        ids, pos, valid, counts = original(self, tails, starts)
+    def shifted(self, tails, starts, extra=()):
+        ids, pos, valid, counts, per_row = original(self, tails, starts, extra)
         short = valid.sum(1) < valid.shape[1]
-        return ids, pos + short[:, None].long() * valid.long(), valid, counts
+        return ids, pos + short[:, None].long() * valid.long(), valid, counts, per_row
 
     monkeypatch.setattr(ModelRunner, "_ragged_input", shifted)
     max_len = GPT2_MAX_POS if arch == "gpt2" else 256
@@ -118,7 +118,7 @@ def test_rejected_drafts_left_visible_break_equivalence(pairs, reference, monkey
     from exspec import kv_blocks
     from exspec.kv import LayerMasks, PaddedKV
     if method == "eqspec":
-        monkeypatch.setattr(PaddedKV, "drop_tail", lambda self, counts: None)
+        monkeypatch.setattr(PaddedKV, "drop_tail", lambda self, counts, counts_dev=None: None)
     else:
         build = LayerMasks.build
         monkeypatch.setattr(LayerMasks, "build", lambda self, key_pos, key_valid, query_pos: build(

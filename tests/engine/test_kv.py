@@ -13,7 +13,7 @@ from exspec.kv import PaddedKV
 
 def make_kv(batch):
     cache = DynamicCache(ddp_cache_data=[(torch.zeros(batch, 2, 0, 3), torch.zeros(batch, 2, 0, 3))])
-    return PaddedKV(cache, torch.zeros(batch, 0, dtype=torch.bool))
+    return PaddedKV(cache, torch.zeros(batch, 0, dtype=torch.bool), [0] * batch)
 
 
 def append(kv, rows, counts):
@@ -36,6 +36,7 @@ def append(kv, rows, counts):
 def check(kv, rows, aligned):
     layer = kv.cache.layers[0]
     assert layer.keys.shape[2] == kv.valid.shape[1]
+    assert kv.lengths == [len(r) for r in rows], "the host lengths drifted from the cache"
     for i, row in enumerate(rows):
         got = layer.keys[i, 0, kv.valid[i], 0].tolist()
         assert got == row, f"row {i}: entries {got} != positions {row}"

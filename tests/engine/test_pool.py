@@ -198,17 +198,19 @@ def test_intake_from_another_thread_while_stepping(pairs):
     assert finished == {f"t{i}" for i in range(12)}
 
 
+class G:
+    """The slice of Group that AdaptiveK reads: size, last k, acceptance, plain steps in a row."""
+    def __init__(self, n, k, acceptance, plain=0):
+        self.n, self.k, self._a, self.plain_steps_in_a_row = n, k, acceptance, plain
+
+    def __len__(self):
+        return self.n
+
+    def acceptance(self, prior):
+        return self._a
+
+
 def test_adaptive_k_hysteresis_and_fallback_to_plain():
-    class G:   # the slice of Group that AdaptiveK reads
-        def __init__(self, n, k, acceptance, plain=0):
-            self.n, self.k, self._a, self.plain_steps_in_a_row = n, k, acceptance, plain
-
-        def __len__(self):
-            return self.n
-
-        def acceptance(self, prior):
-            return self._a
-
     ak = AdaptiveK(max_k=5)
     for k in range(6):   # step cost grows with k: a compute-bound verifier
         ak.step_time[(8, k)] = 1.0 + 0.5 * k
@@ -234,16 +236,6 @@ def test_adaptive_k_explores_close_contenders_only():
     """A k never measured is interpolated from the measured ones; an unmeasured neighbour is
     tried when its optimistic estimate could win, never when it is clearly worse (a draft as
     costly as the target at low acceptance must not be probed k by k)."""
-    class G:
-        def __init__(self, n, k, acceptance):
-            self.n, self.k, self._a, self.plain_steps_in_a_row = n, k, acceptance, 0
-
-        def __len__(self):
-            return self.n
-
-        def acceptance(self, prior):
-            return self._a
-
     costly = AdaptiveK(max_k=5)
     costly.step_time[(1, 0)], costly.step_time[(1, 5)] = 1.0, 7.0    # draft ~ target
     assert costly.cost(1, 2) == pytest.approx(3.4)                     # interpolated in k
@@ -256,6 +248,27 @@ def test_adaptive_k_explores_close_contenders_only():
     cheap.step_time[(1, 3)] = 1.36
     # k = 4 unmeasured here but estimated close to k = 5: optimism tries it
     assert cheap.choose(G(1, 5, 0.75), 5) == 4
+
+
+def test_adaptive_k_measures_what_each_k_commits():
+    """Acceptance comes in runs: half the row-steps accept all 5 drafts, half none. Every step
+    at k = 5 also says what k' < 5 would have committed (min(a, k') + 1), so the yields are
+    measured for every k, where the geometric model at the same per-token acceptance (about
+    5/6) predicts 1.8 and 3.8."""
+    ak = AdaptiveK(max_k=5)
+    for k in range(6):
+        ak.step_time[(1, k)] = 1.0 + 0.25 * k
+    for _ in range(30):
+        ak.observe(1, 5, 2.25, [5])
+        ak.observe(1, 5, 2.25, [0])
+    a = ak.acceptance
+    assert a == pytest.approx(5 / 6, abs=0.03)
+    assert ak.tokens_per_row_step(a, 5) == pytest.approx(3.5, rel=0.05)
+    assert ak.tokens_per_row_step(a, 1) == pytest.approx(1.5, rel=0.05)
+    assert ak.expected_tokens(a, 1) > 1.75 and ak.expected_tokens(a, 5) > 3.75   # the model's view
+    # measured: k = 5 commits 3.5 per 2.25 s; k = 1: 1.5 per 1.25 s; plain: 1 per 1 s
+    assert ak.choose(G(1, 1, a), 5) == 5
+    assert ak.choose(G(1, 5, a), 5) == 5
 
 
 def test_scheduler_picks_starving_group_and_merges_equal_lengths():

@@ -71,8 +71,10 @@ def read_prompts(path: Path | None, limit: int) -> list[Prompt]:
 
 # -- the cells -------------------------------------------------------------------------------------
 def cell_keys(methods: list[str], batch_size: int, k: int,
-              couplings: list[str | None] = (None,)) -> list[CellKey]:
-    """Cells of one batch size; engine cells once per coupling (None: a greedy run)."""
+              couplings: list[str | None] = (None,), fixed_ks: list[int] | None = None) -> list[CellKey]:
+    """Cells of one batch size; engine cells once per coupling (None: a greedy run). A
+    speculative method runs adaptive (k at most `k`) and at each fixed k of `fixed_ks` (default:
+    k alone); Hugging Face assisted generation's fixed schedule only at `k`."""
     keys = []
     for method in methods:
         for coupling in (couplings if method not in HF_METHODS else (None,)):
@@ -80,7 +82,8 @@ def cell_keys(methods: list[str], batch_size: int, k: int,
                 keys.append(CellKey(method, batch_size, 0, None, coupling))
             elif method in ("eqspec", "exspec") or (method == "hf_assisted" and batch_size == 1):
                 keys.append(CellKey(method, batch_size, k, True, coupling))
-                keys.append(CellKey(method, batch_size, k, False, coupling))
+                ks = fixed_ks if fixed_ks and method != "hf_assisted" else [k]
+                keys += [CellKey(method, batch_size, kk, False, coupling) for kk in ks]
     return keys
 
 
@@ -138,6 +141,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("-k", type=int, default=5, help="speculative tokens (max k when adaptive)")
+    ap.add_argument("--fixed-k", default=None,
+                    help="comma list of fixed k's to run beside adaptive k (default: -k alone); "
+                         "results.md then compares adaptive with the best of them")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--repeats", type=int, default=3)
@@ -158,6 +164,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         ap.error(f"unknown methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    args.fixed_k = sorted({int(k) for k in args.fixed_k.split(",") if k.strip()}) if args.fixed_k else None
+    if args.fixed_k and (min(args.fixed_k) < 1 or max(args.fixed_k) > args.k):
+        ap.error("--fixed-k: each k in 1..-k")
     if min(args.batch_sizes) < 1 or args.k < 1 or args.repeats < 1 or args.num_prompts < 1:
         ap.error("batch sizes, -k, --repeats and --num-prompts must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.seed < 0:
@@ -259,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = CostModel(hf, typical)
 
     couplings = args.sampling_couplings if sampled else [None]
-    plan = [(b, cell_keys(args.methods, b, args.k, couplings)) for b in args.batch_sizes]
+    plan = [(b, cell_keys(args.methods, b, args.k, couplings, args.fixed_k)) for b in args.batch_sizes]
     total = sum(len(keys) * (args.repeats + 1) for _, keys in plan)
     runs: dict[CellKey, list[Run]] = {}
     start = time.perf_counter()
@@ -292,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = {"pair": pair, "target": args.target, "draft": args.draft, "tokenizer": args.tokenizer,
               "prompts": str(args.prompts) if args.prompts else None, "num_prompts": len(prompts),
-              "max_tokens": args.max_tokens, "k": args.k, "batch_sizes": args.batch_sizes,
+              "max_tokens": args.max_tokens, "k": args.k, "fixed_k": args.fixed_k, "batch_sizes": args.batch_sizes,
               "methods": args.methods, "repeats": args.repeats, "device": args.device,
               "dtype": args.dtype, "threads": args.threads, "greedy": not sampled,
               "temperature": args.temperature, "top_p": args.top_p,

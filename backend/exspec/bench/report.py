@@ -94,6 +94,34 @@ def findings(cells: list[dict]) -> list[str]:
     return lines
 
 
+def adaptive_against_fixed(cells: list[dict]) -> list[str]:
+    """Adaptive k against the best fixed k of the same method, coupling and batch size (and, at
+    B = 1, against Hugging Face assisted generation's own adaptive schedule)."""
+    lines = []
+    for c in sorted((c for c in cells if c["adaptive_k"] and c["method"] in ("eqspec", "exspec")),
+                    key=lambda c: (c["method"], str(c.get("sampling_coupling")), c["batch_size"])):
+        fixed = [f for f in cells if f["method"] == c["method"] and f["adaptive_k"] is False
+                 and f["batch_size"] == c["batch_size"]
+                 and f.get("sampling_coupling") == c.get("sampling_coupling")]
+        if not fixed:
+            continue
+        best = max(fixed, key=lambda f: f["tokens_per_s"])
+        ar = next((a for a in cells if a["method"] == "autoregressive" and a["batch_size"] == c["batch_size"]
+                   and a.get("sampling_coupling") == c.get("sampling_coupling")), None)
+        hf = next((h for h in cells if h["method"] == "hf_assisted" and h["adaptive_k"]
+                   and h["batch_size"] == c["batch_size"]), None)
+        lines.append(f"| {label(c)} | {c['batch_size']} | {_num(c['tokens_per_s'], 1)} "
+                     f"| k={best['k']}: {_num(best['tokens_per_s'], 1)} "
+                     f"| {_num(c['tokens_per_s'] / best['tokens_per_s'])} "
+                     f"| {_num(c['tokens_per_s'] / ar['tokens_per_s']) if ar else '–'} "
+                     f"| {_num(c['tokens_per_s'] / hf['tokens_per_s']) if hf else '–'} |")
+    if not lines:
+        return []
+    return ["## Adaptive k against the best fixed k", "",
+            "| cell | B | adaptive tokens/s | best fixed k | adaptive ÷ best fixed | ÷ autoregressive "
+            "| ÷ HF assisted (adaptive) |", "|---|---|---|---|---|---|---|"] + lines + [""]
+
+
 def sampling(cfg: dict) -> str:
     if cfg.get("greedy", True):
         return "greedy"
@@ -129,6 +157,7 @@ def markdown(results: dict, divergences: list[dict]) -> str:
         "## Speculation against autoregressive", "",
     ]
     lines += findings(results["cells"])
+    lines += [""] + adaptive_against_fixed(results["cells"])
     lines += ["", "## Divergences from the reference", ""]
     if "rejection" in (cfg.get("sampling_couplings") or []):
         lines += ["Rejection-sampling cells are left out: they keep the distribution, not the "
