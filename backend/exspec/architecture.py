@@ -1,10 +1,12 @@
 """Which architectures the KV layouts serve exactly, decided when the model loads (DESIGN §3.6).
 
-Both layouts (kv.py) keep one full-attention cache entry per committed token, give every row
-its own positions through `position_ids`, and describe each row's valid entries with an
-attention mask (EQSPEC: 2D, right-aligned; EXSPEC: 4D, from positions in the block store). A model
-that needs anything else would load, report READY and then fail (or, worse, differ) at the
-first request; here it is refused instead, with its architecture and the reason. The sweep
+Both layouts (kv.PaddedKV, kv_blocks.BlockKV) keep one cache entry per committed token in
+every layer (sliding-window layers too), give every row its own positions through
+`position_ids`, and describe what each query may see with an attention mask (EQSPEC's
+right-aligned rows: 2D when every layer is full attention; otherwise, and always in EXSPEC's
+block store, one 4D mask per layer type built from positions, kv.LayerMasks). A model that
+needs anything else would load, report READY and then fail (or, worse, differ) at the first
+request; here it is refused instead, with its architecture and the reason. The sweep
 test (tests/engine/test_architectures.py) runs every causal-LM type of the pinned transformers
 against these rules: each one is exact or refused here.
 """
@@ -17,16 +19,22 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_
                                                     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
 
 from .errors import ModelLoadError
-from .kv import cache_layer_classes, uses_alibi
+from .kv import LayerMasks, PaddedKV, cache_layer_classes, uses_alibi
+from .kv_blocks import BlockStores
 
 ENCODER_DECODER_TYPES = set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES) | set(
     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
-# ALiBi built from the 2D attention mask's cumulative sum: right for EQSPEC's 2D mask, not
-# for EXSPEC's 4D one. (MPT's ALiBi depends on key columns only and serves both.)
+# ALiBi built from the 2D attention mask's cumulative sum: their forward takes no 4D mask, so
+# they run on the right-aligned layout under either method (kv_layout). (MPT's ALiBi depends
+# on key columns only and serves both layouts.)
 ALIBI_FROM_2D_MASK = {"bloom", "falcon"}
 # GIT widens a 2D mask over image-patch entries it expects in the cache, even for text only,
 # which shifts every padded row of a batch by that many columns.
 MASK_REWRITTEN_FOR_IMAGES = {"git"}
+# Dory runs its middle layers in loops ("recurrent depth") that read the cache other loops wrote
+LOOPS_OVER_CACHE = {"dory"}
+# a sliding layer's cache is kept whole (kv.new_cache): its mask does the windowing
+SERVED_CACHE_LAYERS = {"DynamicLayer", "DynamicSlidingWindowLayer"}
 
 
 class Refused(Exception):
@@ -38,14 +46,14 @@ def check_servable(model, role: str, method: str) -> None:
     if method == "autoregressive" and role == "draft":
         return
     try:
-        _check(model, method)
+        _check(model)
     except Refused as why:
         cfg = model.config
         raise ModelLoadError(f"the {role} model {type(model).__name__} (model_type "
                              f"{cfg.model_type!r}) cannot be served exactly: {why}") from None
 
 
-def _check(model, method: str) -> None:
+def _check(model) -> None:
     cfg = model.config
     text = cfg.get_text_config(decoder=True)
     params = inspect.signature(model.forward).parameters
@@ -68,18 +76,25 @@ def _check(model, method: str) -> None:
                       f"({type(exc).__name__}: {exc})") from None
     if any("LinearAttention" in name for name in layers):
         raise recurrent
-    if "DynamicSlidingWindowLayer" in layers or "local" in (getattr(text, "attention_layers", None) or []):
-        raise Refused("it has sliding-window (or chunked) attention layers, which the KV layouts "
-                      "cannot mask per layer yet")
+    if "local" in (getattr(text, "attention_layers", None) or []):
+        raise Refused("its local attention layers build their window from column indices inside "
+                      "attention, not from the mask, so padded or ragged rows get the wrong window")
     if "DynamicIndexedLayer" in layers:
         raise Refused("it has sparse (indexed) attention layers, whose indexer cache the KV "
                       "layouts cannot cut back or realign")
     if "DummyLayer" in layers:
         raise Refused("it has layers that share another layer's KV cache or cache nothing, "
                       "which the KV layouts do not model")
-    if layers - {"DynamicLayer"}:
-        raise Refused(f"it has {', '.join(sorted(layers - {'DynamicLayer'}))} cache layers, "
+    if layers - SERVED_CACHE_LAYERS:
+        raise Refused(f"it has {', '.join(sorted(layers - SERVED_CACHE_LAYERS))} cache layers, "
                       "which the KV layouts cannot cut back or realign")
+    try:
+        masks = LayerMasks.of(model)
+    except ModelLoadError as exc:
+        raise Refused(str(exc)) from None
+    if cfg.model_type in LOOPS_OVER_CACHE:
+        raise Refused("its recurrent-depth loops attend over the cache entries of other loops "
+                      "and window them by column, which the KV layouts do not model")
     if cfg.model_type in MASK_REWRITTEN_FOR_IMAGES:
         raise Refused("it widens a 2D attention mask over image-patch cache entries even for "
                       "text-only input, which misaligns padded rows")
@@ -87,12 +102,25 @@ def _check(model, method: str) -> None:
     if "position_ids" not in params and not alibi:
         raise Refused("its forward takes no position ids: it derives positions from the cache "
                       "length, so the rows of a batch cannot each keep their own (I1)")
-    if alibi and method == "exspec" and cfg.model_type in ALIBI_FROM_2D_MASK:
-        raise Refused("its ALiBi biases come from a 2D attention mask, and exspec's layout "
-                      "passes a 4D one; use method 'eqspec'")
-    problem = _probe(model, takes_positions="position_ids" in params)
+    problem = _probe(model, takes_positions="position_ids" in params) or _probe_windows(model, masks)
     if problem:
         raise Refused(problem)
+
+
+def kv_layout(config, models):
+    """The KV layout a method runs on: EXSPEC's block store (each row's entries at their
+    positions, a 4D mask) or EQSPEC's right-aligned PaddedKV. A model that builds ALiBi from a 2D
+    mask takes no 4D one, and no 2D mask describes rows at their own offsets, so a pair with
+    such a model runs exspec's pool and tick on PaddedKV, each stepped group realigned like
+    EQSPEC's batch."""
+    if config.method == "exspec" and not any(m is not None and _alibi_from_2d_mask(m.config)
+                                             for m in models):
+        return BlockStores(config.device, config.max_num_kv_tokens)
+    return PaddedKV
+
+
+def _alibi_from_2d_mask(cfg) -> bool:
+    return uses_alibi(cfg) and cfg.model_type in ALIBI_FROM_2D_MASK
 
 
 def _has_cross_attention(model) -> bool:
@@ -125,4 +153,33 @@ def _probe(model, takes_positions: bool) -> str | None:
         return ("its own positions are not 0, 1, 2, ... (RoBERTa-style models count from "
                 "padding_idx + 1 and skip pad tokens), so the positions the layouts pass "
                 "would change its output")
+    return None
+
+
+@torch.inference_mode()
+def _probe_windows(model, masks: LayerMasks) -> str | None:
+    """A forward longer than the widest window, once with the model's own masks and once with
+    the per-layer-type masks the layouts build: the logits must agree. That proves the model
+    takes those masks (a dict by layer type where its layers mix types) and windows by
+    transformers' rule. A window the model's context never exceeds needs no probe."""
+    windows = [w for w in masks.windows.values() if w is not None]
+    length = max(windows, default=0) + 3
+    if not windows or length > getattr(model.config.get_text_config(decoder=True),
+                                       "max_position_embeddings", length):
+        return None
+    embeddings = model.get_input_embeddings()
+    device = embeddings.weight.device
+    positions = torch.arange(length, device=device)[None]
+    ids = (positions * 7 + 1) % embeddings.num_embeddings
+    try:
+        own = model(input_ids=ids, use_cache=False).logits.float()
+        given = masks.build(positions, None, positions)
+        ours = model(input_ids=ids, attention_mask=given, position_ids=positions,
+                     use_cache=False).logits.float()
+    except Exception as exc:   # noqa: BLE001  (any failure here would fail every request)
+        return f"a forward with per-layer-type masks fails ({type(exc).__name__}: {exc})"
+    tolerance = 4 * torch.finfo(model.dtype).eps * float(own.abs().max())
+    if float((own - ours).abs().max()) > tolerance:
+        return ("its sliding-window layers do not take their window from the mask of their "
+                "layer type (it ignores a mask per layer type, or windows by another rule)")
     return None

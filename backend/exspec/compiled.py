@@ -11,7 +11,9 @@ fixed schedule of steps that meets every forward kind once: afterwards nothing r
 (tests/engine/test_compiled.py counts it with Dynamo's own counters).
 
 Nothing that varies per step reaches the graph as a Python int: the KV layouts hand the model
-device tensors (EXSPEC's block tables, slots and mask, kv_blocks.py; EQSPEC's 2D mask).
+device tensors (EXSPEC's block tables, slots and masks, kv_blocks.py; EQSPEC's 2D mask, or its
+4D masks by layer type for sliding-window models, built outside the graph: a window never
+reaches it).
 """
 from __future__ import annotations
 

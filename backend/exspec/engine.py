@@ -17,13 +17,11 @@ from collections import deque
 import torch
 
 from . import compiled
-from .architecture import check_servable
+from .architecture import check_servable, kv_layout
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .errors import EngineBusyError, InvalidRequestError
 from .faults import Faults
-from .kv import PaddedKV
-from .kv_blocks import BlockStores
 from .models import ModelPair, load_pair, model_devices
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
@@ -84,8 +82,7 @@ class LLMEngine:
         self.stats_ = Stats(model_devices(self.target, self.draft) | {torch.device(config.device)})
         pad_id = self.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else min(self.eos_ids, default=0)
-        layout = (BlockStores(config.device, config.max_num_kv_tokens) if config.method == "exspec"
-                  else PaddedKV)
+        layout = kv_layout(config, (self.target, self.draft))
         self.faults = Faults(config.fault_injection)
         self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_,
                                   layout, self.faults,

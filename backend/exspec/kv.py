@@ -2,7 +2,8 @@
 
 Two layouts share one interface (attention_mask / appended / drop_tail / compact / select /
 concat), so the runner and the pool never look inside: PaddedKV here, and EXSPEC's static,
-block-allocated BlockKV in kv_blocks.py.
+block-allocated BlockKV in kv_blocks.py. Both mask through LayerMasks (below): one mask per
+layer type, from positions.
 
 PaddedKV (EQSPEC). A group's cache for one model is a transformers DynamicCache of [B, H, L, D] tensors plus a
 `valid` [B, L] mask of the columns that hold real entries. Rows are kept right-aligned (left
@@ -15,9 +16,12 @@ row's valid entries to the right edge (EQSPEC's unpad, append, repad).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer,
+                                     get_layer_types_and_kwargs)
 
 from .errors import ModelLoadError
 
@@ -30,10 +34,70 @@ def cache_layer_classes(model) -> set[type]:
 
 def new_cache(model) -> DynamicCache:
     cache = DynamicCache(config=model.config)
+    # A sliding layer keeps every entry too (its mask hides those out of the window), so that
+    # every layer's columns are the same and one cut-back or gather serves them all.
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer
+                    for layer in cache.layers]
     if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        raise ModelLoadError(f"{type(model).__name__}: only full-attention layers are supported "
-                             "(sliding-window or linear-attention caches cannot be realigned)")
+        raise ModelLoadError(f"{type(model).__name__}: only full and sliding-window attention "
+                             "layers are supported (chunked or linear-attention caches cannot "
+                             "be realigned)")
     return cache
+
+
+def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    """[B, q, W] bool -> the [B, 1, q, W] additive mask HF attention takes (0 or dtype min:
+    finite, so a query with nothing to see, a pad, gets a harmless average, not NaN)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+@dataclass(frozen=True)
+class LayerMasks:
+    """How one model's layers mask attention: the sliding window of each layer type (None: full
+    attention), keyed by the names its forward looks masks up by (transformers 5 takes a dict
+    from layer type to mask), and the dtype of its additive masks."""
+    windows: dict[str, int | None]
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def of(cls, model) -> "LayerMasks":
+        types, kwargs = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+        windows: dict[str, int | None] = {}
+        for kind, layer_kwargs in zip(types, kwargs):
+            if kind not in ("full_attention", "sliding_attention"):
+                raise ModelLoadError(f"{type(model).__name__}: {kind!r} layers cannot be masked "
+                                     "by the KV layouts (only full and sliding-window attention)")
+            window = layer_kwargs.get("sliding_window") if kind == "sliding_attention" else None
+            if windows.setdefault(kind, window) != window:
+                raise ModelLoadError(f"{type(model).__name__}: its {kind} layers have different "
+                                     "windows, and the model takes one mask per layer type")
+        return cls(windows, model.dtype)
+
+    @property
+    def all_full(self) -> bool:
+        return all(window is None for window in self.windows.values())
+
+    def build(self, key_pos: torch.Tensor, key_valid: torch.Tensor | None, query_pos: torch.Tensor):
+        """The additive [B, 1, q, L] mask of each layer type, from the key positions ([L], alike
+        for every row, or [B, L]), their validity [B, L] (None: every column) and the query
+        positions [B, q]: a query sees the valid keys of its own row at positions up to its
+        own, and in a sliding layer only the last `window` of them (query - key < window,
+        transformers' rule). One tensor when there is one layer type."""
+        seen = key_pos[..., None, :] <= query_pos[:, :, None]
+        if key_valid is not None:
+            seen &= key_valid[:, None, :]
+        masks = {}
+        for kind, window in self.windows.items():
+            if window is None:
+                allowed = seen
+            else:
+                allowed = seen & (query_pos[:, :, None] - key_pos[..., None, :] < window)
+            masks[kind] = _additive(allowed, self.dtype)
+        return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
+FULL_ATTENTION = LayerMasks({"full_attention": None})
 
 
 def _layers(cache: DynamicCache):
@@ -44,12 +108,6 @@ def _on(index: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """`index` where `tensor` lives: a target spread over GPUs (device_map) keeps each layer's
     cache on that layer's GPU, while the bookkeeping lives on the engine's device."""
     return index if index.device == tensor.device else index.to(tensor.device)
-
-
-def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
-    """[B, q, W] bool -> the [B, 1, q, W] additive mask HF attention takes (0 or dtype min)."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def _cuts_on_device(counts: list[int], counts_dev: torch.Tensor | None, device) -> torch.Tensor:
@@ -69,19 +127,19 @@ def uses_alibi(cfg) -> bool:
 class PaddedKV:
     """One model's cache for a group of rows, right-aligned, with a validity mask."""
 
-    def __init__(self, cache: DynamicCache, valid: torch.Tensor, lengths: list[int], dtype,
-                 mask_2d: bool = False):
+    def __init__(self, cache: DynamicCache, valid: torch.Tensor, lengths: list[int],
+                 masks: LayerMasks = FULL_ATTENTION, mask_2d: bool = False):
         self.cache = cache
         self.mask_2d = mask_2d      # the model reads positions off a 2D mask (ALiBi: Bloom)
         self.valid = valid          # [B, L] bool
         self.lengths = lengths      # host: valid entries per row (never read back from `valid`)
-        self.dtype = dtype
+        self.masks = masks          # each layer type's window, the masks' dtype
         self.aligned = True         # host-side: every row's entries are its last n_i columns
 
     @classmethod
     def empty(cls, model, batch: int, device) -> "PaddedKV":
         return cls(new_cache(model), torch.zeros(batch, 0, dtype=torch.bool, device=device),
-                   [0] * batch, model.dtype, uses_alibi(model.config))
+                   [0] * batch, LayerMasks.of(model), uses_alibi(model.config))
 
     @property
     def width(self) -> int:
@@ -94,19 +152,19 @@ class PaddedKV:
 
     # -- a forward pass: the mask to pass in, then the bookkeeping after it -------------------
     def attention_mask(self, input_valid: torch.Tensor, counts: list[int],
-                       positions: torch.Tensor) -> torch.Tensor | None:
-        """None where no row has padding (the model's own causal mask is exact, and HF then skips
-        building one where it can); else the 4D mask, built on the device (a 2D mask would make HF
-        read it back to see whether it is all ones)."""
+                       positions: torch.Tensor) -> torch.Tensor | dict | None:
+        """None where no row has padding (the model's own masks are exact, sliding windows
+        included: a column is then a position, and HF skips building one where it can); else
+        one 4D mask per layer type from the rows' positions (a 2D mask would make HF read it back
+        to see whether it is all ones). positions [B, q]: the inputs' positions (I1)."""
         q = input_valid.shape[1]
         keys = torch.cat([self.valid, input_valid], dim=1)                     # [B, W + q]
         if self.mask_2d:
             return keys.long()
         if self.aligned and min(self.lengths, default=0) == self.width and min(counts) == q:
             return None
-        causal = (torch.arange(self.width + q, device=keys.device)[None, :]
-                  <= self.width + torch.arange(q, device=keys.device)[:, None])   # [q, W + q]
-        return _additive(keys[:, None, :] & causal[None], self.dtype)
+        key_pos = keys.cumsum(1) - 1   # a valid column's position in its row (I1)
+        return self.masks.build(key_pos, keys, positions)
 
     def appended(self, input_valid: torch.Tensor, counts: list[int]) -> None:
         """Record the q columns the forward just appended (input_valid [B, q], left-padded;
@@ -187,7 +245,7 @@ class PaddedKV:
         width = max(p.width for p in parts)
         merged = cls(new_cache(model),
                      torch.cat([torch.nn.functional.pad(p.valid, (width - p.width, 0)) for p in parts]),
-                     [n for p in parts for n in p.lengths], parts[0].dtype, parts[0].mask_2d)
+                     [n for p in parts for n in p.lengths], parts[0].masks, parts[0].mask_2d)
         for i, layer in enumerate(merged.cache.layers):
             sources = [p.cache.layers[i] for p in parts if p.cache.layers[i].is_initialized]
             if len(sources) != len(parts):
@@ -213,3 +271,4 @@ class PaddedKV:
         for layer in _layers(self.cache):
             layer.keys = layer.keys[:, :, cols]
             layer.values = layer.values[:, :, cols]
+

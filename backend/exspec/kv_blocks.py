@@ -18,8 +18,9 @@ BlockKV. A group's view: the rows' tables. Merging groups and dropping rows copy
 tables move). A forward gets a device block table [B, nb] (nb bucketed to a power of two); the
 cache layer writes the new entries at their slots and gathers each row's blocks into
 [B, H, nb * BLOCK_SIZE, D] for attention: dense attention over the bucket, so a forward costs in
-proportion to the longest row's blocks (measured in the benchmark, see README). The mask comes
-from one function (`block_mask`) of device tensors: key positions and query positions.
+proportion to the longest row's blocks (measured in the benchmark, see README). The masks come
+from one function (kv.LayerMasks.build, one mask per layer type, sliding windows included) of
+device tensors: key positions and query positions.
 
 Everything a forward needs that varies per step is a device tensor (table, positions, validity),
 never a Python int, so a compiled forward does not recompile as rows grow, roll back or leave.
@@ -31,21 +32,11 @@ import weakref
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .kv import new_cache
+from .kv import LayerMasks, new_cache
 from .transfer import Transfers
 
 BLOCK_SIZE = 16
 SCRATCH_BLOCK = 0
-
-
-def block_mask(key_pos: torch.Tensor, query_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The additive 4D mask [B, 1, q, W]: query (b, t) sees key column j iff the key's position
-    is at most its own (causal within the row; columns past a row's length hold later
-    positions, so they are hidden too). key_pos [W] or [B, W], query_pos [B, q]. A sliding
-    window is one more condition here: `query_pos - key_pos < window`."""
-    allowed = key_pos[..., None, :] <= query_pos[:, :, None]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=query_pos.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 class _Forward:
@@ -113,7 +104,7 @@ class KVStore:
 
     def __init__(self, model, device, num_blocks: int = 64, max_blocks: int | None = None):
         self.device = torch.device(device)
-        self.dtype = model.dtype
+        self.masks = LayerMasks.of(model)
         self.num_blocks = max(2, num_blocks)
         self.max_blocks = max_blocks
         self.forward = _Forward()
@@ -212,7 +203,9 @@ class BlockKV:
         offsets = torch.arange(BLOCK_SIZE, device=table.device)
         gather = (table[:, :, None] * BLOCK_SIZE + offsets).reshape(table.shape[0], width)
         self.store.forward.bind(slots, gather)
-        return block_mask(torch.arange(width, device=table.device), positions, self.store.dtype)
+        # a gathered column's position is its column: later ones (past the row's length,
+        # scratch) are hidden by position, and out-of-window ones by their layer's window
+        return self.store.masks.build(torch.arange(width, device=table.device), None, positions)
 
     def device_table(self) -> torch.Tensor:
         """The rows' block table on the device: one host-to-device copy of `host_table()`."""

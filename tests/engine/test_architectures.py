@@ -5,7 +5,7 @@ from a list picked here. Each gets a tiny seeded random target of its own modeli
 noisy copy as the draft (tests/engine/tiny_archs.py) and ends in exactly one of:
 - exact: eqspec and exspec (batch 4, k = 3) equal target-only greedy at batch 1 on every prompt;
 - refused at load: the engine's constructor raises ModelLoadError naming the architecture and
-  one of the reasons in REFUSED (architecture.py); for Bloom only exspec is refused;
+  one of the reasons in REFUSED (architecture.py);
 - in COULD_NOT_BUILD: the test cannot build a tiny model of it (the reason is checked too).
 Anything else fails: a crash, a wrong token, an unexpected refusal or reason. The full
 method x batch x k matrix runs on a handful of exact types only.
@@ -27,7 +27,10 @@ PROMPTS = [[5, 9, 17, 33, 2], [40], [7, 8, 9, 10, 11, 12, 13, 14, 15], [100, 3]]
 MAX_TOKENS = 6
 
 REASONS = {   # a phrase of each refusal message (architecture.py)
-    "sliding": "sliding-window (or chunked) attention layers",
+    "local-columns": "local attention layers build their window from column indices",
+    "chunked": "'chunked_attention' layers cannot be masked",
+    "loops": "recurrent-depth loops attend over the cache entries of other loops",
+    "window-rule": "do not take their window from the mask of their layer type",
     "recurrent": "linear-attention or state-space (recurrent) layers",
     "indexed": "sparse (indexed) attention layers",
     "encoder-decoder": "encoder-decoder model",
@@ -37,16 +40,14 @@ REASONS = {   # a phrase of each refusal message (architecture.py)
     "positions-offset": "own positions are not 0, 1, 2",
     "bidirectional": "attention is bidirectional",
     "image-mask": "image-patch cache entries",
-    "alibi-exspec": "ALiBi biases come from a 2D attention mask",
 }
 
 REFUSED: dict[str, str] = {}        # model type -> REASONS key; filled below
 for reason, types in {
-    "sliding": "afmoe beam cohere2 cohere2_moe cwm dory exaone4 exaone_moe gemma2 gemma3 "
-               "gemma3_text gemma3n_text gemma4 gemma4_text gemma4_unified "
-               "gemma4_unified_text gpt_neo gpt_oss granite_swa granitemoe_swa hy_v4 kolibri1 "
-               "llama4 llama4_text mimo_v2_flash ministral mistral modernbert-decoder moshi "
-               "olmo3 vaultgemma",
+    "local-columns": "gpt_neo",
+    "chunked": "llama4 llama4_text",
+    "loops": "dory",
+    "window-rule": "moshi",   # its eager/SDPA forward ignores its own sliding_window
     "recurrent": "bailing_hybrid bamba deepseek_v4 falcon_h1 falcon_mamba granitemoehybrid "
                  "inkling2_loop_text inkling2_text inkling_text jamba kimi_linear lara_mini "
                  "lfm2_moe lfm3 mamba mamba2 minimax nemotron_h olmo_hybrid qwen3_5 qwen3_5_moe "
@@ -63,7 +64,6 @@ for reason, types in {
                         "xlm-roberta-xl",
     "bidirectional": "xlm",
     "image-mask": "git",
-    "alibi-exspec": "bloom",
 }.items():
     REFUSED.update(dict.fromkeys(types.split(), reason))
 
@@ -111,12 +111,6 @@ def assert_exact(model_type, method, prompts, max_tokens, k=3, batch=4):
                                        f"{out.token_ids}, target alone {want}")
 
 
-def refused_methods(model_type: str) -> set[str]:
-    if model_type not in REFUSED:
-        return set()
-    return {"exspec"} if REFUSED[model_type] == "alibi-exspec" else {"eqspec", "exspec"}
-
-
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_model_type_is_exact_or_refused_when_it_loads(model_type):
     if model_type in COULD_NOT_BUILD:
@@ -125,9 +119,8 @@ def test_model_type_is_exact_or_refused_when_it_loads(model_type):
             with pytest.raises(Exception, match=raises):
                 build(model_type)[0](input_ids=torch.tensor([[1, 2, 3]]))
         pytest.skip(f"could not build a tiny {model_type}: {why}")
-    refused = refused_methods(model_type)
     for method in ("eqspec", "exspec"):
-        if method in refused:
+        if model_type in REFUSED:
             with pytest.raises(ModelLoadError) as caught:
                 engine(model_type, method)
             message = str(caught.value)
@@ -163,8 +156,8 @@ def test_sweep_covers_every_causal_lm_type_of_the_pinned_transformers():
 
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])
 def test_mistral_without_a_window_is_exact(method):
-    """MistralConfig's default has a 4096-token window (refused above); most checkpoints of
-    Mistral, Qwen2 and Phi-3 ship without one (sliding_window null), and those are exact."""
+    """Most checkpoints of Mistral, Qwen2 and Phi-3 ship without a window (sliding_window
+    null): every layer is full attention, and EQSPEC passes its plain 2D mask."""
     target, draft = build("mistral", sliding_window=None)
     assert target.config.sliding_window is None
     served = LLMEngine(EngineConfig(target_model="m", draft_model="m", method=method,
@@ -174,15 +167,22 @@ def test_mistral_without_a_window_is_exact(method):
     assert [o.token_ids for o in outs] == [greedy_reference(target, p, MAX_TOKENS) for p in PROMPTS]
 
 
-def test_falcon_with_alibi_is_exact_in_eqspec_and_refused_in_exspec():
-    """Falcon's default uses RoPE (exact above); with `alibi: true` it builds ALiBi from the
-    2D mask like Bloom, which exspec's 4D mask breaks (it crashed at the first request)."""
-    target, draft = build("falcon", alibi=True)
+@pytest.mark.parametrize("model_type, config", [("bloom", {}), ("falcon", {"alibi": True})])
+def test_alibi_from_a_2d_mask_runs_exspec_on_the_right_aligned_layout(model_type, config):
+    """Bloom (and Falcon with `alibi: true`) build ALiBi from the 2D mask's cumulative sum and
+    take no 4D mask (exspec's own layout crashed them at the first request): exspec runs them
+    on EQSPEC's right-aligned layout, realigning each stepped group, exactly; other models keep
+    the block store."""
+    from exspec.kv import PaddedKV
+    from exspec.kv_blocks import BlockStores
+    target, draft = build(model_type, **config)
     loaded = ModelPair(tokenizer(), target, draft, set(), 256)
-    config = dict(target_model="f", draft_model="f", num_speculative_tokens=3, max_batch_size=4,
-                  adaptive_k=False)
-    with pytest.raises(ModelLoadError, match=REASONS["alibi-exspec"]):
-        LLMEngine(EngineConfig(**config, method="exspec"), pair=loaded)
-    outs = LLMEngine(EngineConfig(**config, method="eqspec"), pair=loaded).generate(
-        PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    assert [o.token_ids for o in outs] == [greedy_reference(target, p, MAX_TOKENS) for p in PROMPTS]
+    served = LLMEngine(EngineConfig(target_model="a", draft_model="a", method="exspec",
+                                    num_speculative_tokens=3, max_batch_size=4, adaptive_k=False),
+                       pair=loaded)
+    assert served.runner.kv_layout is PaddedKV
+    assert isinstance(engine("llama", "exspec").runner.kv_layout, BlockStores)
+    prompts = MATRIX_PROMPTS
+    outs = served.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
+    assert [o.token_ids for o in outs] == [greedy_reference(target, p, 10) for p in prompts]
+    assert served.stats()["realign_steps"] > 0   # ragged groups were realigned, not refused

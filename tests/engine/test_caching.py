@@ -116,13 +116,13 @@ def test_rejected_drafts_left_visible_break_equivalence(pairs, reference, monkey
     the query's own position; here the mask shows the next block's slots too (where rejected
     drafts of earlier steps still sit)."""
     from exspec import kv_blocks
-    from exspec.kv import PaddedKV
+    from exspec.kv import LayerMasks, PaddedKV
     if method == "eqspec":
         monkeypatch.setattr(PaddedKV, "drop_tail", lambda self, counts, counts_dev=None: None)
     else:
-        mask = kv_blocks.block_mask
-        monkeypatch.setattr(kv_blocks, "block_mask", lambda key_pos, query_pos, dtype: mask(
-            key_pos, query_pos + kv_blocks.BLOCK_SIZE, dtype))
+        build = LayerMasks.build
+        monkeypatch.setattr(LayerMasks, "build", lambda self, key_pos, key_valid, query_pos: build(
+            self, key_pos, key_valid, query_pos + kv_blocks.BLOCK_SIZE))
     prompts = make_prompts(320, pairs["llama", "eos"], seed=12, count=8)
     engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=8)
     outs = engine.generate(prompts, SamplingParams(max_tokens=20))

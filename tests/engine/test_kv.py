@@ -13,7 +13,7 @@ from exspec.kv import PaddedKV
 
 def make_kv(batch):
     cache = DynamicCache(ddp_cache_data=[(torch.zeros(batch, 2, 0, 3), torch.zeros(batch, 2, 0, 3))])
-    return PaddedKV(cache, torch.zeros(batch, 0, dtype=torch.bool), [0] * batch, torch.float32)
+    return PaddedKV(cache, torch.zeros(batch, 0, dtype=torch.bool), [0] * batch)
 
 
 def append(kv, rows, counts):
@@ -118,10 +118,28 @@ def test_concat_pads_narrower_groups():
     b, rows_b = make_kv(1), [[]]
     append(b, rows_b, [2])
 
-    class Model:  # PaddedKV.concat only needs a config for the new cache
+    class Model:  # PaddedKV.concat only needs a config (new cache, masks) and a dtype (masks)
         from transformers import LlamaConfig
         config = LlamaConfig(num_hidden_layers=1)
+        dtype = torch.float32
 
     merged, moved = PaddedKV.concat([a, b], Model)
     assert moved > 0
     check(merged, rows_a + rows_b, aligned=True)
+
+
+def test_layer_masks_window_by_position_not_column():
+    """A row with holes (a pad column between its old and new entries, as PaddedKV holds it
+    before a realignment): the sliding mask counts positions, so the hole does not widen or
+    narrow the window; one mask per layer type."""
+    from exspec.kv import LayerMasks
+    masks = LayerMasks({"full_attention": None, "sliding_attention": 2})
+    valid = torch.tensor([[False, True, True, False, True, True]])   # positions -, 0, 1, -, 2, 3
+    positions = valid.cumsum(1) - 1
+    built = masks.build(positions, valid, positions[:, -2:])         # queries at positions 2, 3
+    assert set(built) == {"full_attention", "sliding_attention"}
+    seen = {kind: (mask[0, 0] == 0).tolist() for kind, mask in built.items()}
+    assert seen["full_attention"] == [[False, True, True, False, True, False],
+                                      [False, True, True, False, True, True]]
+    assert seen["sliding_attention"] == [[False, False, True, False, True, False],
+                                         [False, False, False, False, True, True]]

@@ -3,7 +3,8 @@ leave, merges and leaving rows that copy no KV, growth that keeps every entry, a
 import torch
 
 from exspec.demo.tiny import llama
-from exspec.kv_blocks import BLOCK_SIZE, BlockStores, block_mask
+from exspec.kv import FULL_ATTENTION
+from exspec.kv_blocks import BLOCK_SIZE, BlockStores
 
 
 def prefill(kv, model, lengths):
@@ -65,7 +66,7 @@ def test_store_growth_keeps_every_entry():
 
 
 def test_mask_shows_each_query_the_positions_up_to_its_own():
-    mask = block_mask(torch.arange(6), torch.tensor([[2, 3], [0, 5]]), torch.float32)
+    mask = FULL_ATTENTION.build(torch.arange(6), None, torch.tensor([[2, 3], [0, 5]]))
     allowed = (mask[:, 0] == 0).int().tolist()
     assert allowed == [[[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]],
                        [[1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]]

@@ -19,6 +19,7 @@ VOCAB = 320
 SMALL = dict(
     vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, intermediate_size=128, head_dim=16, max_position_embeddings=256,
+    sliding_window=4,   # shorter than every test's sequences: sliding layers really slide
     pad_token_id=0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
     vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,   # Gemma 3n / 4
     hidden_size_global=64, encoder_hash_byte_group_vocab=VOCAB,          # BLT
