@@ -109,6 +109,14 @@ class LLMEngine:
         if max_tokens > self.config.max_output_tokens:
             raise InvalidRequestError(f"max_tokens {max_tokens} exceeds the server limit of "
                                       f"{self.config.max_output_tokens}")
+        budget = self.config.max_num_kv_tokens
+        if budget is not None:
+            need = self.pool.scheduler.kv_peak(len(prompt_ids), max_tokens, self.max_model_len)
+            if need > budget:
+                raise InvalidRequestError(
+                    f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) can grow to "
+                    f"{need} KV cache entries, more than the whole pool holds "
+                    f"(max_num_kv_tokens = {budget}); shorten the prompt or lower max_tokens")
         with self._lock:   # a fresh seed per unseeded request: each is its own exact sample
             seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
         seq = Sequence(request_id, prompt_ids, params, max_tokens, self.max_model_len,
@@ -160,21 +168,33 @@ class LLMEngine:
 
     # -- the tick -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        with self._lock:
-            incoming, self._incoming = list(self._incoming), deque()
-            aborts, self._aborts = self._aborts, set()
-        self.faults.before_tick()
-        self.pool.enqueue(incoming)
-        touched = self.pool.abort(aborts)
-        try:
-            touched += self.pool.tick()
-        except Exception:  # the pool isolates group failures; this is a last resort
-            touched += self.pool.fail_all(traceback.format_exc(limit=3))
+        """One tick, or its first half: when the tick's prefill committed first tokens and a
+        step is planned, they are returned at once (sent before the step runs), and the next
+        call runs that step; otherwise the whole tick."""
+        touched: list[Touched] = []
+        if self.pool.planned is None:   # a new tick: intake, aborts, the step's plan, prefill
+            with self._lock:
+                incoming, self._incoming = list(self._incoming), deque()
+                aborts, self._aborts = self._aborts, set()
+            self.faults.before_tick()
+            self.pool.enqueue(incoming)
+            touched = self.pool.abort(aborts)
+            touched += self._guarded(self.pool.begin_tick)
+            if self.pool.planned is not None and any(seq.num_output_tokens == len(ids) and ids
+                                                     for seq, ids, _ in touched):
+                return self._emit(touched)   # first tokens: out before the step
+        touched += self._guarded(self.pool.finish_tick)
         self._ticks += 1
         if self._ticks % self.RELEASE_EVERY_TICKS == 0 or (touched and not self.pool.num_running
                                                            and not self.pool.num_waiting):
             self.release_memory()   # every so often, and whenever the pool has just emptied
         return self._emit(touched)
+
+    def _guarded(self, half) -> list[Touched]:
+        try:
+            return half()
+        except Exception:  # the pool isolates group failures; this is a last resort
+            return self.pool.fail_all(traceback.format_exc(limit=3))
 
     def _emit(self, touched: list[Touched]):
         """One output per sequence per tick, however many times the tick touched it (a fresh
@@ -253,4 +273,6 @@ class LLMEngine:
             queued = len(self._incoming)
         return self.stats_.snapshot(pool_seqs=self.pool.num_running,
                                     pool_kv_tokens=self.pool.kv_tokens(),
-                                    queue_len=self.pool.num_waiting + queued)
+                                    queue_len=self.pool.num_waiting + queued,
+                                    pool_kv_tokens_allocated=self.pool.kv_allocated(),
+                                    pool_kv_tokens_reserved=self.pool.kv_reserved())

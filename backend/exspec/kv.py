@@ -67,6 +67,17 @@ class PaddedKV:
     def batch(self) -> int:
         return self.valid.shape[0]
 
+    # -- accounting: what admission reserves, and what is really allocated ---------------------
+    @staticmethod
+    def units_for(num_tokens: int) -> int:
+        """KV entries this layout allocates for one row that grows to num_tokens (the budget's
+        unit). Per-token today; a block layout rounds up to whole blocks."""
+        return num_tokens
+
+    def allocated(self) -> int:
+        """KV entries the cache tensors hold room for (rows x columns), used or not."""
+        return self.batch * self.width
+
 
     # -- a forward pass: the mask to pass in, then the bookkeeping after it -------------------
     def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -226,6 +237,13 @@ class SlotKV:
     @property
     def batch(self) -> int:
         return len(self.lengths)
+
+    units_for = PaddedKV.units_for
+
+    def allocated(self) -> int:
+        """KV entries the row buffers hold room for (rows x buffer columns), used or not."""
+        layers = _layers(self.cache)
+        return self.batch * (layers[0].keys.shape[2] if layers else 0)
 
 
     def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -92,30 +92,51 @@ class ModelRunner:
         return gumbel(rows.seed, positions + torch.arange(count, device=self.device), self.noise_width)
 
     # -- prefill --------------------------------------------------------------------------------
+    def new_group(self, seqs: list[Sequence]) -> Group:
+        """A group for sequences about to be prefilled: empty caches for both models."""
+        target_kv = self.kv_layout.empty(self.target, len(seqs), self.device)
+        draft_kv = None if self.draft is None else self.kv_layout.empty(self.draft, len(seqs), self.device)
+        return Group(seqs, target_kv, draft_kv)
+
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> Group:
-        """Prefill new sequences, batched, for both models; commits each one's first token."""
+    def prefill(self, group: Group, counts: list[int]) -> list[bool]:
+        """Feed row i its next counts[i] prompt tokens, batched, for both models (one chunk of
+        a chunked prefill, or the whole prompt). A row that has now fed its whole prompt
+        commits its first token; returns, per row, whether it did. The logits kept are the
+        last column's: every row's last fed token (inputs are left-padded)."""
+        seqs = group.seqs
         with self.stats.timer("prefill"):
-            prompts = [list(s.tokens) for s in seqs]
-            ids, pos, valid, counts = self._ragged_input(prompts, [0] * len(seqs))
-            target_kv = self.kv_layout.empty(self.target, len(seqs), self.device)
-            logits = self._forward(self.target, target_kv, ids, pos, valid, counts, keep=1)
-            draft_kv = None
+            starts = [s.num_cached_target for s in seqs]
+            chunks = [s.tokens[n:n + c] for s, n, c in zip(seqs, starts, counts)]
+            ids, pos, valid, fed = self._ragged_input(chunks, starts)
+            logits = self._forward(self.target, group.target_kv, ids, pos, valid, fed, keep=1)
             if self.draft is not None:
-                draft_kv = self.kv_layout.empty(self.draft, len(seqs), self.device)
-                self._forward(self.draft, draft_kv, ids, pos, valid, counts, keep=1)
-            group = Group(seqs, target_kv, draft_kv)
-            rows = group.sampling(self.device)
-            first, _ = self._pick(logits[:, 0], rows, seqs, self._noise(rows, seqs, 1))
-            lp = token_logprobs(logits[:, :1], first[:, None], [s.params.logprobs for s in seqs])
-            for row, (seq, token) in enumerate(zip(seqs, first.tolist())):
-                seq.num_cached_target = seq.num_cached_draft = len(seq.tokens)
-                seq.append([token], lp[row])
-            n = sum(len(p) for p in prompts)
+                self._forward(self.draft, group.draft_kv, ids, pos, valid, fed, keep=1)
+            for seq, chunk in zip(seqs, chunks):
+                seq.num_cached_target += len(chunk)
+                seq.num_cached_draft += len(chunk)
+            done = [s.num_cached_target == s.num_prompt_tokens for s in seqs]
+            rows = [i for i, d in enumerate(done) if d]
+            if rows:
+                self._first_tokens(group, logits, rows)
+            n = sum(fed)
             self.stats.add("prefill_tokens_target", n)
             if self.draft is not None:
                 self.stats.add("prefill_tokens_draft", n)
-        return group
+        return done
+
+    def _first_tokens(self, group: Group, logits: torch.Tensor, rows: list[int]) -> None:
+        """Commit the first token of the given rows from their last prompt token's logits."""
+        seqs = [group.seqs[i] for i in rows]
+        sampling = group.sampling(self.device)
+        if len(rows) < len(group):
+            sampling = RowSampling.from_params([s.params for s in seqs], self.device,
+                                               [s.seed for s in seqs])
+        logits = logits[torch.tensor(rows, device=logits.device)]
+        first, _ = self._pick(logits[:, 0], sampling, seqs, self._noise(sampling, seqs, 1))
+        lp = token_logprobs(logits[:, :1], first[:, None], [s.params.logprobs for s in seqs])
+        for row, (seq, token) in enumerate(zip(seqs, first.tolist())):
+            seq.append([token], lp[row])
 
     def catch_up_draft(self, group: Group) -> None:
         """After plain steps the draft lags; feed it what it missed (one batched prefill)."""
