@@ -44,12 +44,20 @@ def _load_libc():
 _LIBC = _load_libc()
 
 
+def _free_memory(device: torch.device) -> int:
+    """Free bytes on a GPU for this process: the device's free memory, or less where a
+    per-process cap (torch.cuda.set_per_process_memory_fraction) leaves less."""
+    free, total = torch.cuda.mem_get_info(device)
+    cap = torch.cuda.get_per_process_memory_fraction(device) * total
+    return int(min(free, cap - torch.cuda.memory_reserved(device)))
+
+
 def kv_token_budget(*models, share: float = 0.9) -> int:
     """KV entries (both models counted, as the pool counts them) that the free memory of the
     models' GPUs holds once they are loaded, keeping 10% for activations and the allocator.
     A target spread over GPUs keeps each layer's cache on its layer's GPU: their free memory
     adds up."""
-    free = sum(torch.cuda.mem_get_info(d)[0] for d in model_devices(*models))
+    free = sum(_free_memory(d) for d in model_devices(*models))
     per_entry = []
     for model in (m for m in models if m is not None):
         cfg = model.config.get_text_config(decoder=True)
