@@ -176,9 +176,9 @@ class LLMEngine:
 
     # -- the tick -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One tick, or its first half: when the tick's prefill committed first tokens and a
-        step is planned, they are returned at once (sent before the step runs), and the next
-        call runs that step; otherwise the whole tick."""
+        """One tick, or its first half: when a step is planned and the first half (aborts,
+        prefill) produced outputs, they are returned at once, so a first token is sent before
+        the step runs, and the next call runs that step; otherwise the whole tick."""
         touched: list[Touched] = []
         if self.pool.planned is None:   # a new tick: intake, aborts, the step's plan, prefill
             with self._lock:
@@ -188,9 +188,8 @@ class LLMEngine:
             self.pool.enqueue(incoming)
             touched = self.pool.abort(aborts)
             touched += self._guarded(self.pool.begin_tick)
-            if self.pool.planned is not None and any(seq.num_output_tokens == len(ids) and ids
-                                                     for seq, ids, _ in touched):
-                return self._emit(touched)   # first tokens: out before the step
+            if touched and self.pool.planned is not None:
+                return self._emit(touched)   # first tokens out before the step
         touched += self._guarded(self.pool.finish_tick)
         self._ticks += 1
         if self._ticks % self.RELEASE_EVERY_TICKS == 0 or (touched and not self.pool.num_running
@@ -205,8 +204,7 @@ class LLMEngine:
             return self.pool.fail_all(traceback.format_exc(limit=3))
 
     def _emit(self, touched: list[Touched]):
-        """One output per sequence per tick, however many times the tick touched it (a fresh
-        request is prefilled and may be stepped, even finished, in the same tick)."""
+        """One output per sequence per call, however many times the call touched it."""
         merged: dict[str, Touched] = {}
         for seq, new_ids, new_lp in touched:
             if seq.request_id in merged:
