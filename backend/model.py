@@ -173,8 +173,11 @@ class TritonPythonModel:
         self._engine_thread.start()
         self._send_thread.start()
         threading.Thread(target=self._guard_orphan, name="exspec-orphan-guard", daemon=True).start()
+        warm = self.engine.warm_up
+        path = ("eager" if warm is None else f"compiled ({warm.graphs} graphs, "
+                f"{warm.graph_breaks} graph breaks, warm-up {warm.seconds:.1f} s)")
         pb_utils.Logger.log_info(f"exspec: model {self.model_name} ready on {engine_config.device}, "
-                                 f"{self.engine.threads.describe()}")
+                                 f"{self.engine.threads.describe()}, decode path {path}")
 
     @staticmethod
     def _engine_config(args) -> EngineConfig:

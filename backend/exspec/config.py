@@ -61,6 +61,8 @@ class EngineConfig:
     torch_threads: int | None = None      # intra/inter-op CPU threads; None: OMP_NUM_THREADS or 1 (threads.py)
     stream_granularity: str = "token"     # the Triton adapter streams one response per "token"
                                           # (as the vLLM backend does) or per engine "step"
+    enforce_eager: bool = True            # vLLM's meaning: no compiled decode path (compiled.py);
+                                          # False compiles the step's forwards before READY
     fault_injection: dict | None = None   # tests only: see faults.py; off unless set here
 
     def __post_init__(self):
@@ -109,6 +111,8 @@ class EngineConfig:
         if self.stream_granularity not in STREAM_GRANULARITIES:
             raise ValueError(f"stream_granularity must be one of {', '.join(STREAM_GRANULARITIES)}, "
                              f"got {self.stream_granularity!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
             raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
 

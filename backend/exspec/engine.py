@@ -16,12 +16,14 @@ from collections import deque
 
 import torch
 
+from . import compiled
 from .architecture import check_servable
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .errors import EngineBusyError, InvalidRequestError
 from .faults import Faults
-from .kv import PaddedKV, SlotKV
+from .kv import PaddedKV
+from .kv_blocks import BlockStores
 from .models import ModelPair, load_pair, model_devices
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
@@ -90,7 +92,11 @@ class LLMEngine:
         self.stats_ = Stats(model_devices(self.target, self.draft) | {torch.device(config.device)})
         pad_id = self.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else min(self.eos_ids, default=0)
-        layout = SlotKV if config.method == "exspec" else PaddedKV
+        layout = PaddedKV
+        if config.method == "exspec":   # admission reserves the same entries in every model's
+            models = 1 if self.draft is None else 2   # store: each needs its share of the budget
+            layout = BlockStores(config.device, None if config.max_num_kv_tokens is None
+                                 else config.max_num_kv_tokens // models)
         self.faults = Faults(config.fault_injection)
         self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_,
                                   layout, self.faults,
@@ -105,6 +111,23 @@ class LLMEngine:
         self._auto_ids = itertools.count()
         self._seeds = random.Random(config.seed)     # for requests that bring no seed
         self._ticks = 0
+        self.warm_up: compiled.WarmUp | None = None
+        if not config.enforce_eager:
+            self._compile_decode_path()
+
+    def _compile_decode_path(self) -> None:
+        """Compile the step's forwards and run each kind once, so that READY means warm."""
+        for model in (m for m in (self.target, self.draft) if m is not None):
+            if model not in self.pair.decode_forwards:
+                self.pair.decode_forwards[model] = compiled.CompiledForward(model)
+        self.runner.decode_forwards = self.pair.decode_forwards
+        stats, self.runner.stats = self.runner.stats, Stats(model_devices(self.target, self.draft))
+        try:
+            self.warm_up = compiled.warm_up(
+                self.runner, self._sequence, self.config.num_speculative_tokens,
+                self.target.get_output_embeddings().weight.shape[0])
+        finally:
+            self.runner.stats = stats
 
     # -- intake (thread-safe) ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -127,9 +150,7 @@ class LLMEngine:
                     f"(max_num_kv_tokens = {budget}); shorten the prompt or lower max_tokens")
         with self._lock:   # a fresh seed per unseeded request: each is its own exact sample
             seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
-        seq = Sequence(request_id, prompt_ids, params, max_tokens, self.max_model_len,
-                       self.eos_ids, Detokenizer(self.tokenizer, params.stop, start=len(prompt_ids)),
-                       seed, self.config.sampling_coupling)
+        seq = self._sequence(request_id, prompt_ids, params, max_tokens, seed)
         with self._lock:
             if request_id in self._live_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in flight")
@@ -155,6 +176,13 @@ class LLMEngine:
         """Block until a request is in flight (or the timeout passes), without spinning."""
         with self._work:
             return self._work.wait_for(lambda: bool(self._live_ids), timeout)
+
+    def _sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  max_tokens: int | None = None, seed: int = 0) -> Sequence:
+        return Sequence(request_id, prompt_ids, params, max_tokens or params.max_tokens,
+                        self.max_model_len, self.eos_ids,
+                        Detokenizer(self.tokenizer, params.stop, start=len(prompt_ids)),
+                        seed, self.config.sampling_coupling)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -1,7 +1,8 @@
 """All KV-cache surgery lives here (DESIGN §3.4, §3.6): the only module that touches cache tensors.
 
 Two layouts share one interface (attention_mask / appended / drop_tail / compact / select /
-concat), so the runner and the pool never look inside:
+concat), so the runner and the pool never look inside: PaddedKV here, and EXSPEC's static,
+block-allocated BlockKV in kv_blocks.py.
 
 PaddedKV (EQSPEC). A group's cache for one model is a transformers DynamicCache of [B, H, L, D] tensors plus a
 `valid` [B, L] mask of the columns that hold real entries. Rows are kept right-aligned (left
@@ -13,8 +14,6 @@ input leaves holes). Both are fixed by `compact`: one gather per cache tensor th
 row's valid entries to the right edge (EQSPEC's unpad, append, repad).
 """
 from __future__ import annotations
-
-import weakref
 
 import torch
 from transformers import DynamicCache
@@ -69,18 +68,18 @@ class PaddedKV:
 
     # -- accounting: what admission reserves, and what is really allocated ---------------------
     @staticmethod
-    def units_for(num_tokens: int) -> int:
-        """KV entries this layout allocates for one row that grows to num_tokens (the budget's
-        unit). Per-token today; a block layout rounds up to whole blocks."""
+    def entries_for(num_tokens: int) -> int:
+        """KV entries a row that grows to num_tokens holds (the budget's unit): one per token
+        here (but a group's tensors are rows x its longest row: see allocated_tokens)."""
         return num_tokens
 
-    def allocated(self) -> int:
+    def allocated_tokens(self) -> int:
         """KV entries the cache tensors hold room for (rows x columns), used or not."""
         return self.batch * self.width
 
-
     # -- a forward pass: the mask to pass in, then the bookkeeping after it -------------------
-    def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def attention_mask(self, input_valid: torch.Tensor, counts: list[int],
+                       positions: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.valid, input_valid], dim=1).long()
 
     def appended(self, input_valid: torch.Tensor, counts: list[int]) -> None:
@@ -170,148 +169,3 @@ class PaddedKV:
         for layer in _layers(self.cache):
             layer.keys = layer.keys[:, :, cols]
             layer.values = layer.values[:, :, cols]
-
-
-class _RowWriteLayer(DynamicLayer):
-    """A cache layer that writes each row's new entries at that row's own offset, in a buffer
-    with room to grow, and hands attention the first `width` columns (a view, no copy)."""
-
-    def __init__(self, owner: "SlotKV"):
-        super().__init__()
-        # A weak reference: a strong one would make SlotKV <-> layer a cycle, which only the
-        # cyclic GC frees, so every finished group's buffers would outlive it (and a full
-        # collection costs ~0.2 s on a serving process).
-        self.owner = weakref.proxy(owner)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        owner = self.owner
-        if not self.is_initialized:
-            self.device = key_states.device
-            shape = key_states.shape[:2] + (owner.capacity,) + key_states.shape[3:]
-            self.keys, self.values = key_states.new_zeros(shape), value_states.new_zeros(shape)
-            self.is_initialized = True
-        elif self.keys.shape[2] < owner.capacity:   # grow the buffer (amortised: capacity x1.5)
-            extra = (0, 0, 0, owner.capacity - self.keys.shape[2])
-            self.keys = torch.nn.functional.pad(self.keys, extra)
-            self.values = torch.nn.functional.pad(self.values, extra)
-        if owner.uniform_start is not None:   # every row writes the same columns
-            cols = slice(owner.uniform_start, owner.uniform_start + key_states.shape[2])
-            self.keys[:, :, cols] = key_states
-            self.values[:, :, cols] = value_states
-        else:
-            index = owner.write_index_on(key_states.device)[:, None, :, None].expand_as(key_states)
-            self.keys.scatter_(2, index, key_states)
-            self.values.scatter_(2, index, value_states)
-        return self.keys[:, :, :owner.width], self.values[:, :, :owner.width]
-
-    def get_seq_length(self) -> int:
-        return self.owner.width
-
-
-class SlotKV:
-    """EXSPEC's layout: row i's n_i entries are columns [0, n_i) of its row of a buffer; new
-    tokens are written at each row's own offset and a 4D mask (column <= the query's own column)
-    gives every query exactly its row's committed tokens. Rejected drafts are forgotten by
-    moving the row's length back (positions roll back, not tensors): a ragged group needs no
-    realignment at all, and a group keeps its buffer from tick to tick."""
-
-    HEADROOM = 64
-
-    def __init__(self, model, batch: int, device):
-        self.cache = new_cache(model)
-        self.cache.layers = [_RowWriteLayer(self) for _ in self.cache.layers]
-        self.dtype = model.dtype
-        self.device = torch.device(device)
-        self.lengths = [0] * batch      # host: entries per row
-        self.capacity = 0
-        self.width = 0                  # columns attention sees in the current forward
-        self.uniform_start: int | None = None
-        self.write_index: torch.Tensor | None = None
-        self._write_index_copies: dict = {}   # write_index on other GPUs (device_map), per forward
-        self.aligned = True             # nothing here ever needs realigning
-
-    @classmethod
-    def empty(cls, model, batch: int, device) -> "SlotKV":
-        return cls(model, batch, device)
-
-    @property
-    def batch(self) -> int:
-        return len(self.lengths)
-
-    units_for = PaddedKV.units_for
-
-    def allocated(self) -> int:
-        """KV entries the row buffers hold room for (rows x buffer columns), used or not."""
-        layers = _layers(self.cache)
-        return self.batch * (layers[0].keys.shape[2] if layers else 0)
-
-
-    def attention_mask(self, input_valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        batch, q = input_valid.shape
-        need = max(self.lengths) + q
-        if need > self.capacity:
-            self.capacity = max(need + self.HEADROOM, int(self.capacity * 1.5))
-        self.width = max(n + c for n, c in zip(self.lengths, counts))
-        if len(set(self.lengths)) == 1 and min(counts) == q:
-            self.uniform_start = self.lengths[0]
-            query_cols = self.uniform_start + torch.arange(q, device=self.device).expand(batch, q)
-        else:
-            # real inputs are the last counts[i] of the (left-padded) row: they go to columns
-            # n_i.. in order; pad inputs go past them, where nothing reads them.
-            self.uniform_start = None
-            cols = []
-            for n, c in zip(self.lengths, counts):
-                cols.append(list(range(n + c, n + q)) + list(range(n, n + c)))
-            query_cols = torch.tensor(cols, device=self.device)
-            self.write_index, self._write_index_copies = query_cols, {}
-        allowed = torch.arange(self.width, device=self.device) <= query_cols[:, :, None]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
-
-    def write_index_on(self, device: torch.device) -> torch.Tensor:
-        """The forward's write columns on a layer's GPU (copied once per GPU per forward)."""
-        if device == self.write_index.device:
-            return self.write_index
-        if device not in self._write_index_copies:
-            self._write_index_copies[device] = self.write_index.to(device)
-        return self._write_index_copies[device]
-
-    def appended(self, input_valid: torch.Tensor, counts: list[int]) -> None:
-        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
-
-    def drop_tail(self, counts: list[int]) -> None:
-        self.lengths = [n - c for n, c in zip(self.lengths, counts)]
-
-    def compact(self) -> int:
-        return 0
-
-    def select(self, rows: list[int]) -> int:
-        index = torch.tensor(rows, device=self.device)
-        self.lengths = [self.lengths[i] for i in rows]
-        keep = max(self.lengths) + self.HEADROOM
-        moved = 0
-        for layer in _layers(self.cache):
-            layer.keys = layer.keys[:, :, :keep].index_select(0, _on(index, layer.keys))
-            layer.values = layer.values[:, :, :keep].index_select(0, _on(index, layer.values))
-            moved += layer.keys.nbytes + layer.values.nbytes
-        self.capacity = min(self.capacity, keep)
-        return moved
-
-    @classmethod
-    def concat(cls, parts: list["SlotKV"], model) -> tuple["SlotKV", int]:
-        merged = cls(model, sum(p.batch for p in parts), parts[0].device)
-        merged.lengths = [n for p in parts for n in p.lengths]
-        merged.capacity = max(merged.lengths) + cls.HEADROOM
-        moved = 0
-        for i, layer in enumerate(merged.cache.layers):
-            sources = [p.cache.layers[i] for p in parts]
-            if not all(s.is_initialized for s in sources):
-                continue
-            for name in ("keys", "values"):
-                chunks = [getattr(s, name)[:, :, :merged.capacity] for s in sources]
-                chunks = [torch.nn.functional.pad(c, (0, 0, 0, merged.capacity - c.shape[2]))
-                          for c in chunks]
-                setattr(layer, name, torch.cat(chunks, dim=0))
-                moved += getattr(layer, name).nbytes
-            layer.device, layer.is_initialized = layer.keys.device, True
-        return merged, moved

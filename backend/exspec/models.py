@@ -1,7 +1,7 @@
 """Loading the target / draft pair and the tokenizer (DESIGN §3.6)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +20,9 @@ class ModelPair:
     draft: torch.nn.Module | None
     eos_ids: set[int]
     max_model_len: int
+    # model -> its compiled decode forward (compiled.py), made once and shared by every engine
+    # on this pair (the benchmark builds several)
+    decode_forwards: dict = field(default_factory=dict)
 
 
 def _looks_local(name: str) -> bool:

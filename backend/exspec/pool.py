@@ -35,7 +35,7 @@ class SequencePool:
         self.prefilling: list[Group] = []
         self.planned: tuple[Group, int] | None = None   # this tick's step (group, k), not yet run
         self.scheduler = Scheduler(config, has_draft=runner.draft is not None,
-                                   units_for=runner.kv_layout.units_for)
+                                   entries_for=runner.kv_layout.entries_for)
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -54,7 +54,7 @@ class SequencePool:
         return sum(g.kv_tokens() for g in self.groups + self.prefilling)
 
     def kv_allocated(self) -> int:
-        return sum(kv.allocated() for g in self.groups + self.prefilling for kv in g.caches())
+        return sum(kv.allocated_tokens() for g in self.groups + self.prefilling for kv in g.caches())
 
     def kv_reserved(self) -> int:
         return sum(self.scheduler.reservation(s) for s in self.admitted())

@@ -39,12 +39,13 @@ class ModelRunner:
         self.coupling = coupling     # "gumbel" or "rejection" (sampler.py)
         # Gumbel noise covers the wider vocabulary of the two (a padded target's, say)
         self.noise_width = max(logit_rows(m) for m in (target, draft) if m is not None)
-        self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or SlotKV (EXSPEC, ragged)
+        self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or kv_blocks.BlockStores (EXSPEC)
         self.target = target
         self.draft = draft
         self.pad_id = pad_id
         self.device = torch.device(device)
         self.stats = stats
+        self.decode_forwards: dict = {}   # model -> its compiled forward (compiled.py), if used
 
     # -- building blocks ----------------------------------------------------------------------
     def _ragged_input(self, tails: list[list[int]], starts: list[int]):
@@ -61,13 +62,15 @@ class ModelRunner:
         counts = [len(t) for t in tails]
         return ids.to(self.device), pos.to(self.device), valid.to(self.device), counts
 
-    def _forward(self, model, kv, ids, pos, valid, counts: list[int], keep: int):
+    def _forward(self, model, kv, ids, pos, valid, counts: list[int], keep: int, decode=True):
+        """decode: a forward of a step (compiled on the compiled path); a prefill is not."""
         self.faults.before_forward()
         to_target_vocab = self.vocab is not None and model is self.draft
         if to_target_vocab:
             ids = self.vocab.draft_ids(ids)
-        out = model(input_ids=ids, attention_mask=kv.attention_mask(valid, counts), position_ids=pos,
-                    cache=kv.cache, use_cache=True, logits_to_keep=keep)
+        forward = self.decode_forwards.get(model, model) if decode else model
+        out = forward(input_ids=ids, attention_mask=kv.attention_mask(valid, counts, pos), position_ids=pos,
+                      cache=kv.cache, use_cache=True, logits_to_keep=keep)
         kv.appended(valid, counts)
         # a target spread over GPUs ends on its last GPU; sampling lives on the engine's device
         logits = out.logits.to(self.device)
@@ -109,9 +112,10 @@ class ModelRunner:
             starts = [s.num_cached_target for s in seqs]
             chunks = [s.tokens[n:n + c] for s, n, c in zip(seqs, starts, counts)]
             ids, pos, valid, fed = self._ragged_input(chunks, starts)
-            logits = self._forward(self.target, group.target_kv, ids, pos, valid, fed, keep=1)
+            logits = self._forward(self.target, group.target_kv, ids, pos, valid, fed, keep=1,
+                                   decode=False)
             if self.draft is not None:
-                self._forward(self.draft, group.draft_kv, ids, pos, valid, fed, keep=1)
+                self._forward(self.draft, group.draft_kv, ids, pos, valid, fed, keep=1, decode=False)
             for seq, chunk in zip(seqs, chunks):
                 seq.num_cached_target += len(chunk)
                 seq.num_cached_draft += len(chunk)

@@ -129,23 +129,23 @@ class AdaptiveK:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, has_draft: bool, units_for=lambda n: n):
+    def __init__(self, config: EngineConfig, has_draft: bool, entries_for=lambda n: n):
         self.config = config
         self.speculative = has_draft and config.speculative
         self.exspec = config.method == "exspec"
         self.adaptive = AdaptiveK(config.num_speculative_tokens) if (
             self.speculative and config.adaptive_k) else None
-        self.units_for = units_for          # the KV layout's allocation per row of n tokens
+        self.entries_for = entries_for      # KV entries the layout allocates a row of n tokens
         self.models = 2 if has_draft else 1   # the runner prefills the draft whenever it has one
 
     # -- admission ----------------------------------------------------------------------------------
     def kv_peak(self, prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
-        """KV entries (all models, in the layout's allocation units) a sequence can ever hold:
+        """KV entries (all models, in whole allocation units) a sequence can ever hold:
         its last step starts at most at prompt + max_tokens - 1 committed tokens and appends up
         to k drafts (verification never reaches past max_model_len; see k_for)."""
         last = min(prompt_tokens + max_tokens, max_model_len)
         k = self.config.num_speculative_tokens if self.speculative else 0
-        return self.models * self.units_for(min(last - 1 + k, max_model_len))
+        return self.models * self.entries_for(min(last - 1 + k, max_model_len))
 
     def reservation(self, seq: Sequence) -> int:
         return self.kv_peak(seq.num_prompt_tokens, seq.max_tokens, seq.max_model_len)

@@ -110,11 +110,19 @@ def test_shifted_positions_break_equivalence(pairs, reference, monkeypatch, arch
 
 
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])
-def test_skipped_cache_crop_breaks_equivalence(pairs, reference, monkeypatch, method):
-    """Negative control: keeping rejected drafts in the target cache must be caught."""
-    from exspec.kv import PaddedKV, SlotKV
-    layout = SlotKV if method == "exspec" else PaddedKV
-    monkeypatch.setattr(layout, "drop_tail", lambda self, counts: None)
+def test_rejected_drafts_left_visible_break_equivalence(pairs, reference, monkeypatch, method):
+    """Negative control: a target cache that lets attention see rejected drafts must be caught.
+    EQSPEC: the tail is not cut. EXSPEC's store rolls back by length and hides every slot past
+    the query's own position; here the mask shows the next block's slots too (where rejected
+    drafts of earlier steps still sit)."""
+    from exspec import kv_blocks
+    from exspec.kv import PaddedKV
+    if method == "eqspec":
+        monkeypatch.setattr(PaddedKV, "drop_tail", lambda self, counts: None)
+    else:
+        mask = kv_blocks.block_mask
+        monkeypatch.setattr(kv_blocks, "block_mask", lambda key_pos, query_pos, dtype: mask(
+            key_pos, query_pos + kv_blocks.BLOCK_SIZE, dtype))
     prompts = make_prompts(320, pairs["llama", "eos"], seed=12, count=8)
     engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=8)
     outs = engine.generate(prompts, SamplingParams(max_tokens=20))

@@ -99,15 +99,15 @@ def test_chunk_positions_matter_negative_control(pairs, reference, monkeypatch):
 
 def test_chunk_masks_grow_with_the_chunk_not_the_prompt(pairs, reference, monkeypatch):
     """The 4D mask of every prefill forward is at most chunk x context: never prompt^2."""
-    from exspec import kv as kv_module
+    from exspec import kv_blocks
     shapes = []
-    original = kv_module.SlotKV.attention_mask
+    original = kv_blocks.BlockKV.attention_mask
 
-    def recorded(self, input_valid, counts):
-        mask = original(self, input_valid, counts)
+    def recorded(self, input_valid, counts, positions):
+        mask = original(self, input_valid, counts, positions)
         shapes.append(tuple(mask.shape))
         return mask
-    monkeypatch.setattr(kv_module.SlotKV, "attention_mask", recorded)
+    monkeypatch.setattr(kv_blocks.BlockKV, "attention_mask", recorded)
     _, _, prompt, _ = run_long_beside_short(pairs, reference, "exspec")
     assert max(s[2] for s in shapes) <= BATCHED, "a forward fed more than a tick's tokens"
     assert max(s[2] * s[3] for s in shapes) < len(prompt) ** 2 / 4

@@ -9,6 +9,7 @@ import pytest
 
 from exspec import EngineBusyError, SamplingParams
 from exspec import kv as kv_module
+from exspec import kv_blocks
 from exspec.runner import ModelRunner
 from exspec.scheduler import AdaptiveK, Scheduler
 
@@ -18,7 +19,7 @@ from conftest import make_engine, make_prompts, run_schedule
 @pytest.mark.parametrize("method", ["exspec", "eqspec"])
 def test_random_arrivals_and_aborts(pairs, reference, monkeypatch, method):
     live = weakref.WeakSet()
-    for layout in (kv_module.SlotKV, kv_module.PaddedKV):
+    for layout in (kv_blocks.BlockKV, kv_module.PaddedKV):
         original = layout.__init__
 
         def tracked(self, *args, _original=original, **kwargs):

@@ -1,0 +1,268 @@
+"""EXSPEC's KV storage: static, block-allocated, one store per model (DESIGN §3.5a).
+
+A separate module next to kv.py (which keeps PaddedKV, EQSPEC's baseline) because the store, its
+allocator and its cache layer are one concept of their own and together would push kv.py past
+~400 lines. All of its tensor surgery stays in here.
+
+KVStore. Per model, per layer, one preallocated buffer of keys and one of values,
+[num_blocks * BLOCK_SIZE, kv_heads, head_dim], cut into blocks of BLOCK_SIZE token slots. A
+host free list hands blocks out. Block 0 is scratch: pad query tokens write there and padded
+block-table entries read it, and the mask hides it.
+
+BlockTable. One sequence's blocks in one store, for the sequence's whole life: position p of the
+sequence lives in slot `blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE`, so the write column
+is the token's position and rolling back rejected drafts is a length change. Its blocks go back
+to the free list when the row leaves (`release`) or, whatever path drops it, when it is freed.
+
+BlockKV. A group's view: the rows' tables. Merging groups and dropping rows copy no KV (only
+tables move). A forward gets a device block table [B, nb] (nb bucketed to a power of two); the
+cache layer writes the new entries at their slots and gathers each row's blocks into
+[B, H, nb * BLOCK_SIZE, D] for attention: dense attention over the bucket, so a forward costs in
+proportion to the longest row's blocks (measured in the benchmark, see README). The mask comes
+from one function (`block_mask`) of device tensors: key positions and query positions.
+
+Everything a forward needs that varies per step is a device tensor (table, positions, validity),
+never a Python int, so a compiled forward does not recompile as rows grow, roll back or leave.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from .kv import new_cache
+from .transfer import Transfers
+
+BLOCK_SIZE = 16
+SCRATCH_BLOCK = 0
+
+
+def block_mask(key_pos: torch.Tensor, query_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive 4D mask [B, 1, q, W]: query (b, t) sees key column j iff the key's position
+    is at most its own (causal within the row; columns past a row's length hold later
+    positions, so they are hidden too). key_pos [W] or [B, W], query_pos [B, q]. A sliding
+    window is one more condition here: `query_pos - key_pos < window`."""
+    allowed = key_pos[..., None, :] <= query_pos[:, :, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=query_pos.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+class _Forward:
+    """The current forward's indices, shared by every layer of a store: where the new entries
+    go (`slots`, [B*q]) and which slots each row reads (`gather`, [B, W])."""
+
+    def __init__(self):
+        self.slots: torch.Tensor | None = None
+        self.gather: torch.Tensor | None = None
+        self._copies: dict = {}   # the indices on other GPUs (device_map), once per forward
+
+    def bind(self, slots: torch.Tensor, gather: torch.Tensor) -> None:
+        self.slots, self.gather, self._copies = slots, gather, {}
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device == self.slots.device:
+            return self.slots, self.gather
+        if device not in self._copies:
+            self._copies[device] = (self.slots.to(device), self.gather.to(device))
+        return self._copies[device]
+
+
+class _BlockLayer(DynamicLayer):
+    """One layer's slice of the store, as a transformers cache layer: `update` writes the new
+    entries at their slots and returns every row's gathered entries."""
+
+    def __init__(self, capacity: int, forward: _Forward):
+        super().__init__()
+        self.capacity = capacity   # token slots (the store's blocks x BLOCK_SIZE)
+        self.forward = forward
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:   # shapes come from the first write (eager, before compiling)
+            self.device = key_states.device
+            self.keys = key_states.new_zeros((self.capacity,) + key_states.shape[1:2] + key_states.shape[3:])
+            self.values = value_states.new_zeros((self.capacity,) + value_states.shape[1:2] + value_states.shape[3:])
+            self.is_initialized = True
+        slots, gather = self.forward.on(self.keys.device)
+        heads = key_states.shape[1]
+        self.keys.index_copy_(0, slots, key_states.transpose(1, 2).reshape(-1, heads, key_states.shape[3]))
+        self.values.index_copy_(0, slots, value_states.transpose(1, 2).reshape(
+            -1, value_states.shape[1], value_states.shape[3]))
+        return self.keys[gather].transpose(1, 2), self.values[gather].transpose(1, 2)
+
+    def get_seq_length(self) -> int:
+        return 0 if self.forward.gather is None else self.forward.gather.shape[1]
+
+    def grow(self, slots: int) -> None:
+        extra, self.capacity = slots - self.capacity, slots
+        if self.is_initialized:
+            self.keys = torch.cat([self.keys, self.keys.new_zeros((extra,) + self.keys.shape[1:])])
+            self.values = torch.cat([self.values, self.values.new_zeros((extra,) + self.values.shape[1:])])
+
+
+class KVStore:
+    """One model's KV entries for every sequence of the pool, in blocks (see the module doc).
+    Without a budget it doubles when its blocks run out (one copy of the buffers, rare)."""
+
+    def __init__(self, model, device, num_blocks: int = 64, max_blocks: int | None = None):
+        self.device = torch.device(device)
+        self.dtype = model.dtype
+        self.num_blocks = max(2, num_blocks)
+        self.max_blocks = max_blocks
+        self.forward = _Forward()
+        self.transfers = Transfers(device)   # block tables go up through it (counted, pinned)
+        self.cache = new_cache(model)
+        self.cache.layers = [_BlockLayer(self.num_blocks * BLOCK_SIZE, self.forward)
+                             for _ in self.cache.layers]
+        self.free_blocks = list(range(self.num_blocks - 1, SCRATCH_BLOCK, -1))   # pop() = lowest
+
+    # -- allocation units (what admission reserves, issue 15) ----------------------------------
+    @staticmethod
+    def units_for(num_tokens: int) -> int:
+        """Blocks a sequence of `num_tokens` KV entries holds in this store."""
+        return -(-num_tokens // BLOCK_SIZE)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def allocate(self, count: int) -> list[int]:
+        while count > len(self.free_blocks):
+            self._grow()
+        return [self.free_blocks.pop() for _ in range(count)]
+
+    def free(self, blocks: list[int]) -> None:
+        self.free_blocks.extend(blocks)
+        blocks.clear()
+
+    def _grow(self) -> None:
+        new = self.num_blocks * 2 if self.max_blocks is None else min(self.num_blocks * 2, self.max_blocks)
+        if new <= self.num_blocks:
+            raise torch.OutOfMemoryError(f"KV store full: {self.num_blocks} blocks of {BLOCK_SIZE} tokens")
+        for layer in self.cache.layers:
+            layer.grow(new * BLOCK_SIZE)
+        self.free_blocks[:0] = range(new - 1, self.num_blocks - 1, -1)
+        self.num_blocks = new
+
+
+class BlockTable:
+    """One sequence's blocks in one store, held for the sequence's lifetime."""
+
+    def __init__(self, store: KVStore):
+        self.blocks: list[int] = []   # never rebound: the finalizer frees this very list
+        self.length = 0               # KV entries written for real tokens
+        self.release = weakref.finalize(self, store.free, self.blocks)
+
+    def reserve(self, store: KVStore, num_tokens: int) -> bool:
+        """Make room for `num_tokens` entries; True when blocks were added."""
+        more = store.units_for(num_tokens) - len(self.blocks)
+        if more > 0:
+            self.blocks.extend(store.allocate(more))
+        return more > 0
+
+
+class BlockKV:
+    """A group's rows in one model's KVStore; same interface as kv.PaddedKV."""
+
+    aligned = True   # nothing here ever needs realigning
+
+    def __init__(self, store: KVStore, tables: list[BlockTable]):
+        self.store = store
+        self.tables = tables
+        self._table: torch.Tensor | None = None   # the device block table, rebuilt on change
+
+    @property
+    def cache(self):
+        return self.store.cache
+
+    @property
+    def batch(self) -> int:
+        return len(self.tables)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [t.length for t in self.tables]
+
+    def allocated_tokens(self) -> int:
+        """Token slots held by the rows' blocks (used ones and room to grow)."""
+        return sum(len(t.blocks) for t in self.tables) * BLOCK_SIZE
+
+    def used_tokens(self) -> int:
+        return sum(t.length for t in self.tables)
+
+    # -- a forward pass -----------------------------------------------------------------------
+    def attention_mask(self, input_valid: torch.Tensor, counts: list[int],
+                       positions: torch.Tensor) -> torch.Tensor:
+        """Room for the forward's tokens, the forward's slots bound for the layers, and its mask.
+        input_valid / positions [B, q] on the device (left-padded rows: real tokens last)."""
+        grew = [t.reserve(self.store, t.length + c) for t, c in zip(self.tables, counts)]
+        if any(grew) or self._table is None:
+            self._table = self.device_table()
+        table = self._table
+        width = table.shape[1] * BLOCK_SIZE
+        base = table.gather(1, positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE
+        slots = torch.where(input_valid, base, SCRATCH_BLOCK * BLOCK_SIZE).reshape(-1)
+        offsets = torch.arange(BLOCK_SIZE, device=table.device)
+        gather = (table[:, :, None] * BLOCK_SIZE + offsets).reshape(table.shape[0], width)
+        self.store.forward.bind(slots, gather)
+        return block_mask(torch.arange(width, device=table.device), positions, self.store.dtype)
+
+    def device_table(self) -> torch.Tensor:
+        """[B, nb] block ids (nb: the longest row's blocks, rounded up to a power of two so the
+        shapes a forward sees stay few), padded with the scratch block; one host-to-device copy."""
+        longest = max(len(t.blocks) for t in self.tables)
+        nb = 1 << (longest - 1).bit_length()
+        rows = [t.blocks + [SCRATCH_BLOCK] * (nb - len(t.blocks)) for t in self.tables]
+        return self.store.transfers.to_device(torch.tensor(rows, dtype=torch.long))
+
+    def appended(self, input_valid: torch.Tensor, counts: list[int]) -> None:
+        for table, c in zip(self.tables, counts):
+            table.length += c
+
+    def drop_tail(self, counts: list[int]) -> None:
+        """Forget the last counts[i] entries of row i: a length change, nothing moves."""
+        for table, c in zip(self.tables, counts):
+            table.length -= c
+
+    def compact(self) -> int:
+        return 0
+
+    # -- group algebra: only tables move ------------------------------------------------------
+    def select(self, rows: list[int]) -> int:
+        """Keep only `rows` (in that order); the others' blocks go back to the store."""
+        keep = set(rows)
+        for i, table in enumerate(self.tables):
+            if i not in keep:
+                table.release()
+        self.tables = [self.tables[i] for i in rows]
+        self._table = None
+        return 0
+
+    @classmethod
+    def concat(cls, parts: list["BlockKV"], model) -> tuple["BlockKV", int]:
+        return cls(parts[0].store, [t for p in parts for t in p.tables]), 0
+
+
+class BlockStores:
+    """The EXSPEC layout's factory: one KVStore per model, new groups' BlockKVs in them."""
+
+    def __init__(self, device, max_num_kv_tokens: int | None = None):
+        self.device = device
+        self.max_blocks = None if max_num_kv_tokens is None else KVStore.units_for(max_num_kv_tokens) + 1
+        self.stores: dict[int, KVStore] = {}
+
+    @staticmethod
+    def entries_for(num_tokens: int) -> int:
+        """KV entries a sequence that grows to num_tokens holds in a store: whole blocks (what
+        admission reserves, issue 15)."""
+        return KVStore.units_for(num_tokens) * BLOCK_SIZE
+
+    def store(self, model) -> KVStore:
+        if id(model) not in self.stores:
+            initial = 64 if self.max_blocks is None else min(64, self.max_blocks)
+            self.stores[id(model)] = KVStore(model, self.device, initial, self.max_blocks)
+        return self.stores[id(model)]
+
+    def empty(self, model, batch: int, device) -> BlockKV:
+        store = self.store(model)
+        return BlockKV(store, [BlockTable(store) for _ in range(batch)])

@@ -1,0 +1,109 @@
+"""The compiled decode path (enforce_eager = false, compiled.py): exact tokens, and nothing
+recompiles or breaks the graph after the warm-up.
+
+Dynamo's guards (hence recompiles and graph breaks) do not depend on the compile backend, so
+these tests compile with the "eager" backend: no C++ is generated in CI. The inductor backend
+is exercised by exspec-bench --paths eager,compiled.
+"""
+import random
+
+import pytest
+import torch
+
+from exspec import SamplingParams, compiled
+
+from conftest import _load, make_engine, make_prompts, run_schedule
+
+MIN_GAP = 1e-4   # below it a reference token is a float tie, and a flip would be no bug
+
+
+@pytest.fixture(autouse=True)
+def eager_backend(monkeypatch):
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    torch._dynamo.reset()   # each engine's models are new: start from an empty code cache
+    yield
+    torch._dynamo.reset()
+
+
+def assert_no_ties(target_path, prompts, references):
+    """The reference's top-2 logit gap exceeds MIN_GAP at every generated position, so exact
+    equality is the right bar (a tie flip cannot make the test flaky)."""
+    model = _load(target_path)
+    for prompt, ref in zip(prompts, references):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + ref])).logits[0]
+        top = logits[len(prompt) - 1:len(prompt) - 1 + len(ref)].topk(2).values
+        gaps = (top[:, 0] - top[:, 1]).tolist()
+        assert min(gaps) > MIN_GAP, f"prompt {prompt[:5]}...: reference tie (gap {min(gaps):.2e})"
+
+
+def pairwise(cases, in_ci):
+    """Every case; those not in `in_ci` run only under -m slow (make test-slow)."""
+    return [c if c in in_ci else pytest.param(*c, marks=pytest.mark.slow) for c in cases]
+
+
+MATRIX = [(arch, batch, k, method) for arch in ("llama", "gpt2") for batch in (1, 3)
+          for k in (1, 3) for method in ("exspec", "eqspec")]
+IN_CI = {("llama", 1, 1, "exspec"), ("llama", 3, 3, "eqspec"), ("gpt2", 3, 1, "exspec"),
+         ("gpt2", 1, 3, "eqspec"), ("llama", 3, 3, "exspec")}
+
+
+def compiled_outputs(pairs, arch, batch, k, method, prompts, max_tokens):
+    engine = make_engine(pairs, arch, "noisy", method=method, max_batch_size=batch,
+                         num_speculative_tokens=k, enforce_eager=False)
+    assert engine.warm_up is not None and engine.warm_up.graphs > 0, "nothing was compiled"
+    return engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+
+
+@pytest.mark.parametrize("arch, batch, k, method", pairwise(MATRIX, IN_CI))
+def test_compiled_path_matches_target_greedy(pairs, reference, arch, batch, k, method):
+    prompts = [p for p in make_prompts(320, pairs[arch, "eos"], seed=31, count=6) if len(p) > 1]
+    refs = [reference(pairs[arch, "target"], p, 16) for p in prompts]
+    assert_no_ties(pairs[arch, "target"], prompts, refs)
+    outs = compiled_outputs(pairs, arch, batch, k, method, prompts, 16)
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert out.error is None, out.error
+        assert out.token_ids == ref, (f"{arch} {method} B={batch} k={k} row {i}: got "
+                                      f"{out.token_ids}, expected {ref}")
+
+
+def test_broken_compiled_forward_fails_equivalence(pairs, reference, monkeypatch):
+    """Negative control: a compiled forward fed positions shifted by one must be caught (and so
+    the compiled forwards are really the ones that ran)."""
+    call = compiled.CompiledForward.__call__
+
+    def shifted(self, **inputs):
+        return call(self, **{**inputs, "position_ids": inputs["position_ids"] + 1})
+    monkeypatch.setattr(compiled.CompiledForward, "__call__", shifted)
+    prompts = [p for p in make_prompts(320, pairs["gpt2", "eos"], seed=31, count=6) if len(p) > 1]
+    outs = compiled_outputs(pairs, "gpt2", 3, 3, "exspec", prompts, 16)
+    assert any(out.token_ids != reference(pairs["gpt2", "target"], p, 16)
+               for out, p in zip(outs, prompts)), "a broken compiled forward went unnoticed"
+
+
+@pytest.mark.parametrize("method", ["exspec", "eqspec"])
+def test_no_recompile_or_graph_break_after_warm_up(pairs, method):
+    """A mixed run after the warm-up: arrivals, aborts, ragged acceptance, adaptive k moving
+    (down to plain steps and back, with draft catch-ups), per-request k caps and rows leaving.
+    Dynamo's own counters must not move."""
+    engine = make_engine(pairs, "llama", "independent", method=method, max_batch_size=4,
+                         max_num_seqs=6, adaptive_k=True, num_speculative_tokens=4,
+                         enforce_eager=False)
+    assert engine.warm_up.graph_breaks == 0, "the warm-up itself broke a graph"
+    before = compiled.dynamo_counts()
+    rng = random.Random(5)
+    prompts = [p for p in make_prompts(320, pairs["llama", "eos"], seed=8, count=14) if len(p) > 1]
+    arrivals, aborts, params = {}, {}, {}
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        tick = rng.randint(0, 20)
+        arrivals.setdefault(tick, []).append((rid, p))
+        params[rid] = SamplingParams(max_tokens=rng.randint(4, 30),
+                                     num_speculative_tokens=rng.choice([None, 1, 2]))
+        if i % 4 == 0:
+            aborts.setdefault(tick + rng.randint(1, 4), []).append(rid)
+    run_schedule(engine, arrivals, aborts, params)
+    ks = {k for (_, k) in engine.stats()["steps_by_shape"]}
+    assert len(ks) >= 2, f"k never changed ({ks}): the run does not exercise it"
+    assert compiled.dynamo_counts() == before, (
+        f"after warm-up: {before} -> {compiled.dynamo_counts()} (graphs = compiles)")
