@@ -14,7 +14,7 @@ from exspec.demo.tiny import build_demo_pair  # noqa: E402
 NUMBER = (int, float)
 CELL_SCHEMA = {   # key: (allowed types, may be null)
     "method": (str, False), "batch_size": (int, False), "k": (int, False),
-    "adaptive_k": (bool, True), "sampling_coupling": (str, True), "tokens_per_s": (NUMBER, False), "tokens_per_s_runs": (list, False),
+    "adaptive_k": (bool, True), "sampling_coupling": (str, True), "path": (str, False), "tokens_per_s": (NUMBER, False), "tokens_per_s_runs": (list, False),
     "speedup_vs_autoregressive": (NUMBER, True), "speedup_vs_batch1": (NUMBER, True),
     "exact_match_share": (NUMBER, False), "prefix_match_mean": (NUMBER, False),
     "acceptance_rate": (NUMBER, True), "mean_accepted_length": (NUMBER, True),
@@ -29,7 +29,7 @@ METHODS = ("autoregressive", "eqspec", "exspec", "hf_generate", "hf_assisted")
 
 
 def check_schema(results: dict) -> None:
-    assert set(results) == {"schema", "command", "machine", "config", "cells"}, sorted(results)
+    assert set(results) - {"paths"} == {"schema", "command", "machine", "config", "cells"}, sorted(results)
     assert results["schema"] == 1
     assert isinstance(results["command"], str) and results["command"].startswith("exspec-bench")
     assert isinstance(results["machine"], dict) and isinstance(results["config"], dict)
@@ -139,3 +139,33 @@ def test_sampled_run_compares_both_couplings_with_the_seeded_reference(bench_inp
     # rejection sampling keeps the distribution, not the sample: some row differs
     assert min(c["prefix_match_mean"] for c in cells if c["sampling_coupling"] == "rejection") < 1
     assert "gumbel" in (out / "results.md").read_text()
+
+
+def test_both_decode_paths_in_one_run(bench_inputs, monkeypatch):
+    """--paths eager,compiled: every engine cell on both paths, per-forward costs of both models
+    on both paths at B = 1 and 8, and each compiled engine's warm-up (graphs, seconds). The
+    "eager" compile backend keeps C++ out of the test (Dynamo's graphs are the same)."""
+    import torch
+
+    from exspec import compiled
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", compiled.COMPILE_BACKEND)   # restored after
+    torch._dynamo.reset()
+    root, args = bench_inputs
+    out = root / "paths"
+    args = [a if a != "1,2" else "1" for a in args]
+    assert main(args + ["--max-tokens", "4", "--methods", "autoregressive,exspec",
+                        "--paths", "eager,compiled", "--compile-backend", "eager",
+                        "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    check_schema(results)
+    torch._dynamo.reset()
+    cells = {(c["method"], c["adaptive_k"], c["path"]) for c in results["cells"]}
+    for path in ("eager", "compiled"):
+        assert {("autoregressive", None, path), ("exspec", True, path), ("exspec", False, path)} <= cells
+        assert all(c["exact_match_share"] == 1.0 for c in results["cells"]), "a path changed tokens"
+    costs = {(r["model"], r["batch_size"]) for r in results["paths"]["forward_ms"]}
+    assert costs == {("draft", 1), ("draft", 8), ("target", 1), ("target", 8)}
+    assert all(r["eager_ms"] > 0 and r["compiled_ms"] > 0 for r in results["paths"]["forward_ms"])
+    warm = results["paths"]["warm_up"]
+    assert warm and sum(w["graphs"] for w in warm) > 0 and all(w["graph_breaks"] == 0 for w in warm)
+    assert "Eager against compiled" in (out / "results.md").read_text()

@@ -2,7 +2,7 @@
 
 Both layouts (kv.py) keep one full-attention cache entry per committed token, give every row
 its own positions through `position_ids`, and describe each row's valid entries with an
-attention mask (EQSPEC: 2D, right-aligned; EXSPEC: 4D, each row at its own offset). A model
+attention mask (EQSPEC: 2D, right-aligned; EXSPEC: 4D, from positions in the block store). A model
 that needs anything else would load, report READY and then fail (or, worse, differ) at the
 first request; here it is refused instead, with its architecture and the reason. The sweep
 test (tests/engine/test_architectures.py) runs every causal-LM type of the pinned transformers

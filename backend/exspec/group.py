@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
 from .sampler import RowSampling
 from .sequence import Sequence
 
@@ -59,10 +61,14 @@ class Group:
     def caches(self):
         return [kv for kv in (self.target_kv, self.draft_kv) if kv is not None]
 
+    # The pool calls realign / keep / merge between steps: inference mode keeps every cache tensor
+    # an inference tensor, as a step makes them (a compiled forward recompiles for the other kind).
+    @torch.inference_mode()
     def realign(self) -> int:
         """EQSPEC's unpad / append / repad of both caches; bytes copied (0 when nothing moves)."""
         return sum(kv.compact() for kv in self.caches())
 
+    @torch.inference_mode()
     def keep(self, rows: list[int]) -> int:
         """Keep only `rows` (dropping finished or moved-out sequences); bytes copied."""
         if len(rows) == len(self.seqs):
@@ -72,6 +78,7 @@ class Group:
         return sum(kv.select(rows) for kv in self.caches()) if rows else 0
 
     @classmethod
+    @torch.inference_mode()
     def merge(cls, groups: list["Group"], target_model, draft_model) -> tuple["Group", int]:
         """One group from several (row order: as given); returns (group, bytes copied)."""
         if len(groups) == 1:

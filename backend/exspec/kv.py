@@ -89,6 +89,17 @@ class PaddedKV:
             self.aligned = False    # pad inputs sit between old and new entries: holes
         self.valid = torch.cat([self.valid, input_valid], dim=1)
 
+    def make_contiguous(self) -> int:
+        """Copy view-shaped cache tensors (left by a uniform crop or a trim) into contiguous
+        ones; returns bytes copied. Only the compiled path calls it: a compiled forward guards
+        on its inputs' strides and would recompile for every view."""
+        moved = 0
+        for layer in _layers(self.cache):
+            if not (layer.keys.is_contiguous() and layer.values.is_contiguous()):
+                layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+                moved += layer.keys.nbytes + layer.values.nbytes
+        return moved
+
     # -- after verification -------------------------------------------------------------------
     def drop_tail(self, counts: list[int]) -> None:
         """Forget the last counts[i] appended entries of row i (rejected drafts)."""

@@ -68,6 +68,13 @@ class _Forward:
         return self._copies[device]
 
 
+def _rows_of(buffer: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
+    """[B, H, W, D] from a [slots, H, D] buffer and [B, W] slot indices, in one contiguous
+    gather (some attention code views the keys it gets, which a transposed gather breaks)."""
+    heads = torch.arange(buffer.shape[1], device=buffer.device)[None, :, None]
+    return buffer[gather[:, None, :], heads]
+
+
 class _BlockLayer(DynamicLayer):
     """One layer's slice of the store, as a transformers cache layer: `update` writes the new
     entries at their slots and returns every row's gathered entries."""
@@ -88,7 +95,7 @@ class _BlockLayer(DynamicLayer):
         self.keys.index_copy_(0, slots, key_states.transpose(1, 2).reshape(-1, heads, key_states.shape[3]))
         self.values.index_copy_(0, slots, value_states.transpose(1, 2).reshape(
             -1, value_states.shape[1], value_states.shape[3]))
-        return self.keys[gather].transpose(1, 2), self.values[gather].transpose(1, 2)
+        return _rows_of(self.keys, gather), _rows_of(self.values, gather)
 
     def get_seq_length(self) -> int:
         return 0 if self.forward.gather is None else self.forward.gather.shape[1]
@@ -209,11 +216,15 @@ class BlockKV:
 
     def device_table(self) -> torch.Tensor:
         """[B, nb] block ids (nb: the longest row's blocks, rounded up to a power of two so the
-        shapes a forward sees stay few), padded with the scratch block; one host-to-device copy."""
-        longest = max(len(t.blocks) for t in self.tables)
+        shapes a forward sees stay few, and at least 2: torch compiles a size of 1 apart),
+        padded with the scratch block; one host-to-device copy."""
+        longest = max(2, max(len(t.blocks) for t in self.tables))
         nb = 1 << (longest - 1).bit_length()
         rows = [t.blocks + [SCRATCH_BLOCK] * (nb - len(t.blocks)) for t in self.tables]
         return self.store.transfers.to_device(torch.tensor(rows, dtype=torch.long))
+
+    def make_contiguous(self) -> int:
+        return 0   # the store's buffers never change shape or strides
 
     def appended(self, input_valid: torch.Tensor, counts: list[int]) -> None:
         for table, c in zip(self.tables, counts):

@@ -69,6 +69,8 @@ class ModelRunner:
         if to_target_vocab:
             ids = self.vocab.draft_ids(ids)
         forward = self.decode_forwards.get(model, model) if decode else model
+        if forward is not model:   # compiled: inputs of one stride pattern (a copy on EQSPEC's views)
+            self.stats.add("realign_bytes", kv.make_contiguous())
         out = forward(input_ids=ids, attention_mask=kv.attention_mask(valid, counts, pos), position_ids=pos,
                       cache=kv.cache, use_cache=True, logits_to_keep=keep)
         kv.appended(valid, counts)

@@ -219,3 +219,21 @@ def run_schedule(engine, arrivals, aborts, params):
         tick += 1
         assert tick < 2000, "the engine stopped making progress"
     return outputs, finished, aborted_at
+
+
+def bf16_divergence(target, prompt: list[int], got: list[int], max_tokens: int):
+    """None when `got` equals the bf16 target's own greedy output (batch 1, on its device);
+    else (position, top-2 gap, top logit, near tie by the benchmark's rule) at the first
+    difference (DESIGN §3.7)."""
+    from exspec.bench.equivalence import common_prefix, is_near_tie
+    device = target.device
+    with torch.no_grad():
+        ref = target.generate(torch.tensor([prompt], device=device), max_new_tokens=max_tokens,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        n = common_prefix(ref, got)
+        if n == len(ref):
+            return None
+        logits = target(input_ids=torch.tensor([prompt + ref[:n]], device=device)).logits[0, -1].float()
+    top, second = logits.topk(2).values.tolist()
+    return n, top - second, top, is_near_tie(top, second, float(logits.max() - logits.min()), "bfloat16")
+

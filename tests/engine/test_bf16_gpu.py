@@ -8,9 +8,7 @@ import pytest
 import torch
 
 from exspec import EngineConfig, LLMEngine, SamplingParams
-from exspec.bench.equivalence import common_prefix, is_near_tie
-
-from conftest import make_prompts
+from conftest import bf16_divergence, make_prompts
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -31,17 +29,9 @@ def test_bf16_divergences_are_near_ties_only(pairs, method):
         max_batch_size=8, adaptive_k=False, device="cuda", dtype="bfloat16"))
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
-        with torch.no_grad():
-            ids = torch.tensor([prompt], device="cuda")
-            ref = target.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-            n = common_prefix(ref, out.token_ids)
-            if n == len(ref):
-                continue
-            logits = target(input_ids=torch.tensor([prompt + ref[:n]], device="cuda")).logits
-            logits = logits[0, -1].float()
-        top, second = logits.topk(2).values.tolist()
-        spread = float(logits.max() - logits.min())
-        assert is_near_tie(top, second, spread, "bfloat16"), (
-            f"{method} row {i} leaves the reference at {n}: top-2 gap {top - second:.4f} at a "
-            f"top logit of {top:.2f} is more than a few bf16 ulps")
+        found = bf16_divergence(target, prompt, out.token_ids, MAX_TOKENS)
+        if found is None:
+            continue
+        n, gap, top, tie = found
+        assert tie, (f"{method} row {i} leaves the reference at {n}: top-2 gap {gap:.4f} at a "
+                     f"top logit of {top:.2f} is more than a few bf16 ulps")

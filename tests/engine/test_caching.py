@@ -40,9 +40,9 @@ def watch(engine) -> tuple[FeedLog, FeedLog]:
     logs = {id(engine.target): FeedLog(engine.target), id(engine.draft): FeedLog(engine.draft)}
     forward = engine.runner._forward
 
-    def forward_with_valid(model, kv, ids, pos, valid, counts, keep):
+    def forward_with_valid(model, kv, ids, pos, valid, counts, keep, **kwargs):
         logs[id(model)].valid = valid
-        return forward(model, kv, ids, pos, valid, counts, keep)
+        return forward(model, kv, ids, pos, valid, counts, keep, **kwargs)
 
     engine.runner._forward = forward_with_valid
     return logs[id(engine.target)], logs[id(engine.draft)]

@@ -44,8 +44,9 @@ def pairwise(cases, in_ci):
 
 MATRIX = [(arch, batch, k, method) for arch in ("llama", "gpt2") for batch in (1, 3)
           for k in (1, 3) for method in ("exspec", "eqspec")]
-IN_CI = {("llama", 1, 1, "exspec"), ("llama", 3, 3, "eqspec"), ("gpt2", 3, 1, "exspec"),
-         ("gpt2", 1, 3, "eqspec"), ("llama", 3, 3, "exspec")}
+# In CI a pairwise cover (every pair of values of any two dimensions, in 5 of the 16 cases)
+IN_CI = {("llama", 1, 1, "exspec"), ("llama", 3, 3, "eqspec"), ("gpt2", 1, 3, "eqspec"),
+         ("gpt2", 3, 1, "eqspec"), ("gpt2", 3, 3, "exspec")}
 
 
 def compiled_outputs(pairs, arch, batch, k, method, prompts, max_tokens):
@@ -103,7 +104,7 @@ def test_no_recompile_or_graph_break_after_warm_up(pairs, method):
         if i % 4 == 0:
             aborts.setdefault(tick + rng.randint(1, 4), []).append(rid)
     run_schedule(engine, arrivals, aborts, params)
-    ks = {k for (_, k) in engine.stats()["steps_by_shape"]}
+    ks = {shape["k"] for shape in engine.stats()["steps_by_shape"]}
     assert len(ks) >= 2, f"k never changed ({ks}): the run does not exercise it"
     assert compiled.dynamo_counts() == before, (
         f"after warm-up: {before} -> {compiled.dynamo_counts()} (graphs = compiles)")

@@ -166,6 +166,8 @@ def test_bad_engine_configs_get_clear_errors(pairs, tmp_path):
         EngineConfig(**base, max_batch_size=8, num_speculative_tokens=5, max_num_batched_tokens=48)
     EngineConfig(**base, max_batch_size=8, num_speculative_tokens=5, max_num_batched_tokens=49)
     EngineConfig(**base, max_num_batched_tokens=None)   # chunking off
+    with pytest.raises(ValueError, match="enforce_eager must be true or false"):
+        EngineConfig.from_dict({**base, "enforce_eager": "false"})
     with pytest.raises(ValueError, match="unknown engine config keys: colour"):
         EngineConfig.from_dict({**base, "colour": "blue"})
     with pytest.raises(ModelLoadError, match="does not exist"):

@@ -20,6 +20,8 @@ only and are left out.
 
     exspec-bench                                  # the demo pair, CPU, defaults (< 10 min)
     exspec-bench --batch-sizes 1,8 --methods autoregressive,exspec --out bench_out/quick
+    exspec-bench --pair deep-narrow --paths eager,compiled --batch-sizes 1,8 \
+        --methods autoregressive,eqspec,exspec --out bench_out/paths
     exspec-bench --temperature 0.7 --top-p 0.95 --sampling-couplings gumbel,rejection \
         --methods autoregressive,eqspec,exspec --out bench_out/t07
 """
@@ -43,7 +45,9 @@ from tqdm.auto import tqdm
 from .equivalence import Reference
 from .ideal import CostModel
 from .methods import HF_METHODS, METHODS, CellKey, EngineMethod, HFModels, Prompt, Run, make_method
-from ..models import DTYPES
+from .paths import forward_costs
+from .. import EngineConfig
+from ..models import DTYPES, load_pair
 from ..sampler import COUPLINGS
 from ..threads import apply_threads, choose_threads
 
@@ -71,16 +75,19 @@ def read_prompts(path: Path | None, limit: int) -> list[Prompt]:
 
 # -- the cells -------------------------------------------------------------------------------------
 def cell_keys(methods: list[str], batch_size: int, k: int,
-              couplings: list[str | None] = (None,)) -> list[CellKey]:
-    """Cells of one batch size; engine cells once per coupling (None: a greedy run)."""
+              couplings: list[str | None] = (None,), paths: list[str] = ("eager",)) -> list[CellKey]:
+    """Cells of one batch size; engine cells once per coupling (None: a greedy run) and per
+    decode path (the Hugging Face baselines have only their own, eager)."""
     keys = []
     for method in methods:
-        for coupling in (couplings if method not in HF_METHODS else (None,)):
+        engine = method not in HF_METHODS
+        for coupling, path in ((c, p) for c in (couplings if engine else (None,))
+                               for p in (paths if engine else ("eager",))):
             if method in ("autoregressive", "hf_generate"):
-                keys.append(CellKey(method, batch_size, 0, None, coupling))
+                keys.append(CellKey(method, batch_size, 0, None, coupling, path))
             elif method in ("eqspec", "exspec") or (method == "hf_assisted" and batch_size == 1):
-                keys.append(CellKey(method, batch_size, k, True, coupling))
-                keys.append(CellKey(method, batch_size, k, False, coupling))
+                keys.append(CellKey(method, batch_size, k, True, coupling, path))
+                keys.append(CellKey(method, batch_size, k, False, coupling, path))
     return keys
 
 
@@ -90,7 +97,7 @@ def summarize(key: CellKey, runs: list[Run], reference: Reference,
     tps_runs = [run.tokens / run.seconds for run in runs]
     exact, prefix, divergences = reference.compare(key, runs)
     cell = {"method": key.method, "batch_size": key.batch_size, "k": key.k,
-            "adaptive_k": key.adaptive_k, "sampling_coupling": key.coupling,
+            "adaptive_k": key.adaptive_k, "sampling_coupling": key.coupling, "path": key.path,
             "tokens_per_s": statistics.median(tps_runs),
             "tokens_per_s_runs": tps_runs, "speedup_vs_autoregressive": None,
             "speedup_vs_batch1": None, "exact_match_share": exact, "prefix_match_mean": prefix,
@@ -116,13 +123,14 @@ def summarize(key: CellKey, runs: list[Run], reference: Reference,
 
 
 def add_speedups(cells: list[dict]) -> None:
-    by = {(c["method"], c["batch_size"], c["k"], c["adaptive_k"], c["sampling_coupling"]): c
+    """Against autoregressive on the same decode path, and the same method at batch size 1."""
+    by = {(c["method"], c["batch_size"], c["k"], c["adaptive_k"], c["sampling_coupling"], c["path"]): c
           for c in cells}
     for c in cells:
-        ar = by.get(("autoregressive", c["batch_size"], 0, None, c["sampling_coupling"]))
+        ar = by.get(("autoregressive", c["batch_size"], 0, None, c["sampling_coupling"], c["path"]))
         if ar:
             c["speedup_vs_autoregressive"] = c["tokens_per_s"] / ar["tokens_per_s"]
-        b1 = by.get((c["method"], 1, c["k"], c["adaptive_k"], c["sampling_coupling"]))
+        b1 = by.get((c["method"], 1, c["k"], c["adaptive_k"], c["sampling_coupling"], c["path"]))
         if b1:
             c["speedup_vs_batch1"] = c["tokens_per_s"] / b1["tokens_per_s"]
 
@@ -146,6 +154,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=100, help="sampled runs: prompt i gets seed + i")
     ap.add_argument("--sampling-couplings", default="gumbel",
                     help=f"sampled runs: comma list of {', '.join(COUPLINGS)}, each timed interleaved")
+    ap.add_argument("--paths", default="eager",
+                    help="decode paths, comma list of eager, compiled (enforce_eager false/true): "
+                         "each engine cell runs on each; compiled adds per-forward costs and warm-ups")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of the compiled path (eager / aot_eager: Dynamo's "
+                         "graphs without generated code, for a quick check of the machinery)")
+    ap.add_argument("--pair", choices=("demo", "deep-narrow"), default="demo",
+                    help="without --target: the demo pair, or a deep, narrow random pair built here "
+                         f"({DEEP_NARROW['target_layers']} and {DEEP_NARROW['draft_layers']} layers, "
+                         f"hidden {DEEP_NARROW['hidden']}: the launch-bound regime of a GPU, on a CPU)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--threads", type=int, default=None,
@@ -162,6 +180,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("batch sizes, -k, --repeats and --num-prompts must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.seed < 0:
         ap.error("--temperature must be >= 0, --top-p in (0, 1], --seed >= 0")
+    args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if not args.paths or set(args.paths) - {"eager", "compiled"}:
+        ap.error("--paths: a comma list of eager, compiled")
     args.sampling_couplings = [c.strip() for c in args.sampling_couplings.split(",") if c.strip()]
     if not args.sampling_couplings or set(args.sampling_couplings) - set(COUPLINGS):
         ap.error(f"--sampling-couplings: a comma list of {', '.join(COUPLINGS)}")
@@ -183,7 +204,9 @@ def resolve_pair(args) -> str:
         if args.prompts is None and (DEMO_DIR / "prompts.jsonl").exists():
             args.prompts = DEMO_DIR / "prompts.jsonl"
         return "given"
-    if (DEMO_DIR / "target" / "config.json").exists() and (DEMO_DIR / "draft" / "config.json").exists():
+    if args.pair == "deep-narrow":
+        pair, name = build_deep_narrow_pair(tempfile.mkdtemp(prefix="exspec-bench-")), "deep-narrow"
+    elif (DEMO_DIR / "target" / "config.json").exists() and (DEMO_DIR / "draft" / "config.json").exists():
         pair, name = DEMO_DIR, "demo"
     else:
         from ..demo.tiny import build_demo_pair
@@ -197,6 +220,21 @@ def resolve_pair(args) -> str:
     if args.prompts is None and (DEMO_DIR / "prompts.jsonl").exists():
         args.prompts = DEMO_DIR / "prompts.jsonl"
     return name
+
+
+DEEP_NARROW = {"target_layers": 36, "draft_layers": 28, "hidden": 64}
+
+
+def build_deep_narrow_pair(out_dir: str) -> Path:
+    """Qwen3-8B / 0.6B depths at hidden 64: per forward, kernel launches dominate, as on a GPU."""
+    from ..demo.tiny import build_tokenizer, llama, save_pair
+    tokenizer = build_tokenizer()
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    target = llama(vocab, 0, layers=DEEP_NARROW["target_layers"], hidden=DEEP_NARROW["hidden"],
+                   max_positions=512, eos_token_id=eos)
+    draft = llama(vocab, 1, layers=DEEP_NARROW["draft_layers"], hidden=DEEP_NARROW["hidden"],
+                  max_positions=512, eos_token_id=eos)
+    return save_pair(out_dir, tokenizer, target, draft)
 
 
 def machine_info(args, costs: CostModel | None) -> dict:
@@ -231,12 +269,19 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()   # weight loading, once per engine
     progress = not args.no_progress
+    from .. import compiled
+    compiled.COMPILE_BACKEND = args.compile_backend
     pair = resolve_pair(args)
     speculative_wanted = any(m in SPECULATIVE for m in args.methods)
     if speculative_wanted and not args.draft:
         raise SystemExit("exspec-bench: speculative methods need --draft")
 
     hf = HFModels(args)
+    # one loaded pair for every engine of the run: compiled once, its graphs shared
+    args.model_pair = load_pair(EngineConfig(target_model=args.target, draft_model=args.draft,
+                                             tokenizer=args.tokenizer, device=args.device,
+                                             dtype=args.dtype,
+                                             method="exspec" if args.draft else "autoregressive"))
     prompts = read_prompts(args.prompts, args.num_prompts)
     room = hf.max_model_len - args.max_tokens - args.k - 1
     for p in prompts:
@@ -259,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     costs = CostModel(hf, typical)
 
     couplings = args.sampling_couplings if sampled else [None]
-    plan = [(b, cell_keys(args.methods, b, args.k, couplings)) for b in args.batch_sizes]
+    plan = [(b, cell_keys(args.methods, b, args.k, couplings, args.paths)) for b in args.batch_sizes]
+    warm_ups = []
     total = sum(len(keys) * (args.repeats + 1) for _, keys in plan)
     runs: dict[CellKey, list[Run]] = {}
     start = time.perf_counter()
@@ -269,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
             for key in keys:                       # build and warm up every method of this size
                 bar.set_postfix_str(f"B={batch_size} warm-up {key.label}")
                 methods[key] = make_method(key, args, hf, len(prompts))
+                warm = getattr(methods[key], "warm_up", None)
+                if warm is not None:
+                    warm_ups.append({"label": key.label, "batch_size": batch_size, "graphs": warm.graphs,
+                                     "graph_breaks": warm.graph_breaks, "seconds": warm.seconds})
                 methods[key].run(prompts[:max(batch_size, 2)], min(args.max_tokens, 16))
                 bar.update()
             for r in range(args.repeats):          # interleaved: A B C A B C ...
@@ -281,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
                     bar.update()
             del methods
     bench_seconds = time.perf_counter() - start
+    paths = None
+    if "compiled" in args.paths:   # per-forward costs, on one compiled engine's runner
+        key = CellKey("exspec" if args.draft else "autoregressive", 8, args.k, False, None, "compiled")
+        method = EngineMethod(key, args, len(prompts))
+        paths = {"forward_ms": forward_costs(method.engine, [1, 8], args.k), "warm_up": warm_ups}
 
     cells, divergences = [], []
     for key, key_runs in tqdm(runs.items(), desc="equivalence", disable=not progress):
@@ -293,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     config = {"pair": pair, "target": args.target, "draft": args.draft, "tokenizer": args.tokenizer,
               "prompts": str(args.prompts) if args.prompts else None, "num_prompts": len(prompts),
               "max_tokens": args.max_tokens, "k": args.k, "batch_sizes": args.batch_sizes,
-              "methods": args.methods, "repeats": args.repeats, "device": args.device,
+              "methods": args.methods, "paths": args.paths, "compile_backend": args.compile_backend,
+              "repeats": args.repeats, "device": args.device,
               "dtype": args.dtype, "threads": args.threads, "greedy": not sampled,
               "temperature": args.temperature, "top_p": args.top_p,
               "seed": args.seed if sampled else None,
@@ -302,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
               "runs_wall_s": round(bench_seconds, 1)}
     results = {"schema": 1, "command": command, "machine": machine_info(args, costs),
                "config": config, "cells": cells}
+    if paths is not None:
+        results["paths"] = paths
     from .report import write_outputs
     paths = write_outputs(results, divergences, args.out)
     for path in paths:

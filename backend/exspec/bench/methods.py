@@ -4,6 +4,7 @@ engine (autoregressive, eqspec, exspec) and two Hugging Face baselines on the sa
 batch size 1)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -32,13 +33,16 @@ class CellKey:
     k: int
     adaptive_k: bool | None   # None: no speculation to adapt
     coupling: str | None = None   # engine cells of a sampled run: gumbel | rejection
+    path: str = "eager"           # engine cells: the decode path, eager | compiled
 
     @property
     def label(self) -> str:
         coupling = "" if self.coupling is None else f", {self.coupling}"
+        path = ", compiled" if self.path == "compiled" else ""
         if self.adaptive_k is None:
-            return self.method + (f" ({self.coupling})" if self.coupling else "")
-        return f"{self.method} ({'adaptive k' if self.adaptive_k else f'k={self.k}'}{coupling})"
+            extra = ", ".join(x for x in (self.coupling, "compiled" if path else None) if x)
+            return self.method + (f" ({extra})" if extra else "")
+        return f"{self.method} ({'adaptive k' if self.adaptive_k else f'k={self.k}'}{coupling}{path})"
 
 
 @dataclass
@@ -70,9 +74,19 @@ class EngineMethod:
             method=key.method, num_speculative_tokens=key.k, adaptive_k=bool(key.adaptive_k),
             max_batch_size=key.batch_size, max_num_seqs=max(key.batch_size, num_prompts),
             device=args.device, dtype=args.dtype, torch_threads=args.threads,
-            sampling_coupling=key.coupling or "gumbel"))
+            sampling_coupling=key.coupling or "gumbel", enforce_eager=key.path == "eager"),
+            pair=self.shared_pair(args, key.method))
+        self.warm_up = self.engine.warm_up   # compiled path: graphs and seconds
         self.sampling = dict(temperature=args.temperature, top_p=args.top_p)
         self.seed = args.seed
+
+    @staticmethod
+    def shared_pair(args, method: str):
+        """The run's one loaded pair (None: load one), without its draft for autoregressive."""
+        pair = getattr(args, "model_pair", None)
+        if pair is None or method != "autoregressive":
+            return pair
+        return dataclasses.replace(pair, draft=None)
 
     def run(self, prompts: list[Prompt], max_tokens: int) -> Run:
         before = self.engine.stats()

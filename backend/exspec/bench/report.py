@@ -33,10 +33,29 @@ def _pct(value, digits: int = 0) -> str:
 
 def label(cell: dict) -> str:
     coupling = cell.get("sampling_coupling")
+    path = ", compiled" if cell.get("path") == "compiled" else ""
     if cell["adaptive_k"] is None:
-        return cell["method"] + (f" ({coupling})" if coupling else "")
+        extra = ", ".join(x for x in (coupling, path[2:]) if x)
+        return cell["method"] + (f" ({extra})" if extra else "")
     return (f"{cell['method']} ({'adaptive k≤' if cell['adaptive_k'] else 'k='}{cell['k']}"
-            f"{', ' + coupling if coupling else ''})")
+            f"{', ' + coupling if coupling else ''}{path})")
+
+
+def paths_section(paths: dict | None) -> list[str]:
+    """Eager against compiled: per-forward cost of each model, and each compiled engine's warm-up."""
+    if not paths:
+        return []
+    lines = ["## Eager against compiled decode path", "",
+             "| model | B | tokens per row | eager ms | compiled ms | × |", "|---|---|---|---|---|---|"]
+    for row in paths["forward_ms"]:
+        lines.append(f"| {row['model']} | {row['batch_size']} | {row['tokens']} | "
+                     f"{_num(row['eager_ms'])} | {_num(row['compiled_ms'])} | "
+                     f"{_num(row['eager_ms'] / row['compiled_ms'])} |")
+    lines += ["", "| compiled engine | B | graphs | graph breaks | warm-up s |", "|---|---|---|---|---|"]
+    for w in paths["warm_up"]:
+        lines.append(f"| {w['label']} | {w['batch_size']} | {w['graphs']} | {w['graph_breaks']} | "
+                     f"{_num(w['seconds'], 1)} |")
+    return lines + [""]
 
 
 def table(cells: list[dict]) -> str:
@@ -60,12 +79,17 @@ def order(cell: dict) -> tuple:
     return rank, cell["adaptive_k"] is False
 
 
+def variant(cell: dict) -> tuple:
+    """What else a cell of one method and batch size varies in: its coupling and decode path."""
+    return cell.get("sampling_coupling"), cell.get("path", "eager")
+
+
 def findings(cells: list[dict]) -> list[str]:
     """Speculation against autoregressive, batch size by batch size: achieved speedup, the
     analytic ideal's speedup (ideal ÷ ideal) and exspec's realign share relative to eqspec's."""
-    by = {(c["method"], c["batch_size"], c["adaptive_k"], c.get("sampling_coupling")): c for c in cells}
+    by = {(c["method"], c["batch_size"], c["adaptive_k"], variant(c)): c for c in cells}
     sizes = sorted({c["batch_size"] for c in cells})
-    couplings = sorted({c.get("sampling_coupling") for c in cells}, key=str)
+    couplings = sorted({variant(c) for c in cells}, key=str)   # (coupling, path) pairs
     head = "| × autoregressive (achieved / ideal ÷ ideal) | " + " | ".join(f"B={b}" for b in sizes) + " |"
     lines = [head, "|---|" + "---|" * len(sizes)]
     for method, adaptive, coupling in ((m, a, c) for m in ("eqspec", "exspec")
@@ -126,6 +150,7 @@ def markdown(results: dict, divergences: list[dict]) -> str:
         "included); realign = share of step time spent forming, splitting or realigning groups; "
         "ideal = analytic ideal from measured forward costs (DESIGN §3.7).", "",
         table(results["cells"]), "",
+        *paths_section(results.get("paths")),
         "## Speculation against autoregressive", "",
     ]
     lines += findings(results["cells"])
