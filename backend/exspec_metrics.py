@@ -116,7 +116,8 @@ class Metrics:
                                     "Bytes copied to form, split or realign groups")()
         self.running = family("exspec:num_requests_running", G, "Sequences in the pool")()
         self.waiting = family("exspec:num_requests_waiting", G, "Requests waiting for the pool")()
-        self._kv_family = family("exspec:kv_cache_tokens", G, "KV cache entries held in the pool")
+        self._kv_family = family("exspec:kv_cache_tokens", G, "KV cache entries in the pool, by role: "
+                                 "all (used), allocated, reserved")
         self._kv = {}
         self.engine_up = family("exspec:engine_up", G,
                                 "1 while the engine runs ticks; 0 once it died or a tick ran past "
@@ -175,8 +176,11 @@ class Metrics:
                     self.phase[p].observe(spent)
         self.running.set(stats.get("pool_seqs", 0))
         self.waiting.set(stats.get("queue_len", 0))
-        roles = {r: stats[f"pool_kv_tokens_{r}"] for r in ("target", "draft")
-                 if f"pool_kv_tokens_{r}" in stats} or {"all": stats.get("pool_kv_tokens", 0)}
+        # all: entries held for real tokens; allocated: what the cache tensors hold room for;
+        # reserved: what admitted requests may grow to (admission keeps it within the budget)
+        roles = {"all": stats.get("pool_kv_tokens", 0)}
+        roles.update({r: stats[f"pool_kv_tokens_{r}"] for r in ("allocated", "reserved")
+                      if f"pool_kv_tokens_{r}" in stats})
         for role, value in roles.items():
             if role not in self._kv:
                 self._kv[role] = self._kv_family(role=role)

@@ -115,7 +115,9 @@ def kv_layout(config, models):
     EQSPEC's batch."""
     if config.method == "exspec" and not any(m is not None and _alibi_from_2d_mask(m.config)
                                              for m in models):
-        return BlockStores(config.device, config.max_num_kv_tokens)
+        # admission reserves the same entries in every model's store: each gets its share
+        budget, count = config.max_num_kv_tokens, sum(m is not None for m in models)
+        return BlockStores(config.device, None if budget is None else budget // count)
     return PaddedKV
 
 

@@ -76,8 +76,9 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int) -> WarmUp:
     params = SamplingParams(max_tokens=8 * (k + 1), ignore_eos=True)   # never finishes here
     for batch in (1, 2):
         prompts = [[(7 * i + 3 * j + 1) % vocab_size for j in range(5 + 3 * i)] for i in range(batch)]
-        group = runner.prefill([make_sequence(f"warm-up-{batch}-{i}", p, params)
-                                for i, p in enumerate(prompts)])
+        group = runner.new_group([make_sequence(f"warm-up-{batch}-{i}", p, params)
+                                  for i, p in enumerate(prompts)])
+        runner.prefill(group, [len(p) for p in prompts])
         for step_k in warm_up_schedule(k if runner.draft is not None else 0):
             runner.step(group, step_k)
             group.realign()

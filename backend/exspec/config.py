@@ -42,6 +42,8 @@ class EngineConfig:
     max_batch_size: int = 8               # rows verified in one step
     max_num_seqs: int = 64                # sequences holding KV state in the pool
     max_num_kv_tokens: int | None = None  # KV entries (both models) in the pool; None = no limit on CPU
+    max_num_batched_tokens: int | None = 2048   # tokens one tick feeds the target (prefill chunks +
+                                          # the step's verified tokens); None: whole prompts at once
     max_queue_len: int = 256              # waiting requests beyond the pool; more are refused as busy
     max_model_len: int | None = None      # prompt + output; default: the smaller model's limit
     max_prompt_tokens: int | None = None  # default: max_model_len - 1
@@ -87,6 +89,12 @@ class EngineConfig:
                      "default_max_tokens", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens is not None:
+            step_tokens = self.max_batch_size * (self.num_speculative_tokens + 1)
+            if isinstance(self.max_num_batched_tokens, bool) or self.max_num_batched_tokens <= step_tokens:
+                raise ValueError(f"max_num_batched_tokens must exceed the tokens of one step "
+                                 f"(max_batch_size x (num_speculative_tokens + 1) = {step_tokens}), "
+                                 f"so that prefill always progresses; got {self.max_num_batched_tokens!r}")
         if self.max_num_seqs < self.max_batch_size:
             raise ValueError("max_num_seqs must be >= max_batch_size")
         rounds = -(-self.max_num_seqs // self.max_batch_size)   # ticks to step every sequence once

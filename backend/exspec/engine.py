@@ -44,12 +44,20 @@ def _load_libc():
 _LIBC = _load_libc()
 
 
+def _free_memory(device: torch.device) -> int:
+    """Free bytes on a GPU for this process: the device's free memory, or less where a
+    per-process cap (torch.cuda.set_per_process_memory_fraction) leaves less."""
+    free, total = torch.cuda.mem_get_info(device)
+    cap = torch.cuda.get_per_process_memory_fraction(device) * total
+    return int(min(free, cap - torch.cuda.memory_reserved(device)))
+
+
 def kv_token_budget(*models, share: float = 0.9) -> int:
     """KV entries (both models counted, as the pool counts them) that the free memory of the
     models' GPUs holds once they are loaded, keeping 10% for activations and the allocator.
     A target spread over GPUs keeps each layer's cache on its layer's GPU: their free memory
     adds up."""
-    free = sum(torch.cuda.mem_get_info(d)[0] for d in model_devices(*models))
+    free = sum(_free_memory(d) for d in model_devices(*models))
     per_entry = []
     for model in (m for m in models if m is not None):
         cfg = model.config.get_text_config(decoder=True)
@@ -126,6 +134,14 @@ class LLMEngine:
         if max_tokens > self.config.max_output_tokens:
             raise InvalidRequestError(f"max_tokens {max_tokens} exceeds the server limit of "
                                       f"{self.config.max_output_tokens}")
+        budget = self.config.max_num_kv_tokens
+        if budget is not None:
+            need = self.pool.scheduler.kv_peak(len(prompt_ids), max_tokens, self.max_model_len)
+            if need > budget:
+                raise InvalidRequestError(
+                    f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) can grow to "
+                    f"{need} KV cache entries, more than the whole pool holds "
+                    f"(max_num_kv_tokens = {budget}); shorten the prompt or lower max_tokens")
         with self._lock:   # a fresh seed per unseeded request: each is its own exact sample
             seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
         seq = self._sequence(request_id, prompt_ids, params, max_tokens, seed)
@@ -182,25 +198,35 @@ class LLMEngine:
 
     # -- the tick -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        with self._lock:
-            incoming, self._incoming = list(self._incoming), deque()
-            aborts, self._aborts = self._aborts, set()
-        self.faults.before_tick()
-        self.pool.enqueue(incoming)
-        touched = self.pool.abort(aborts)
-        try:
-            touched += self.pool.tick()
-        except Exception:  # the pool isolates group failures; this is a last resort
-            touched += self.pool.fail_all(traceback.format_exc(limit=3))
+        """One tick, or its first half: when a step is planned and the first half (aborts,
+        prefill) produced outputs, they are returned at once, so a first token is sent before
+        the step runs, and the next call runs that step; otherwise the whole tick."""
+        touched: list[Touched] = []
+        if self.pool.planned is None:   # a new tick: intake, aborts, the step's plan, prefill
+            with self._lock:
+                incoming, self._incoming = list(self._incoming), deque()
+                aborts, self._aborts = self._aborts, set()
+            self.faults.before_tick()
+            self.pool.enqueue(incoming)
+            touched = self.pool.abort(aborts)
+            touched += self._guarded(self.pool.begin_tick)
+            if touched and self.pool.planned is not None:
+                return self._emit(touched)   # first tokens out before the step
+        touched += self._guarded(self.pool.finish_tick)
         self._ticks += 1
         if self._ticks % self.RELEASE_EVERY_TICKS == 0 or (touched and not self.pool.num_running
                                                            and not self.pool.num_waiting):
             self.release_memory()   # every so often, and whenever the pool has just emptied
         return self._emit(touched)
 
+    def _guarded(self, half) -> list[Touched]:
+        try:
+            return half()
+        except Exception:  # the pool isolates group failures; this is a last resort
+            return self.pool.fail_all(traceback.format_exc(limit=3))
+
     def _emit(self, touched: list[Touched]):
-        """One output per sequence per tick, however many times the tick touched it (a fresh
-        request is prefilled and may be stepped, even finished, in the same tick)."""
+        """One output per sequence per call, however many times the call touched it."""
         merged: dict[str, Touched] = {}
         for seq, new_ids, new_lp in touched:
             if seq.request_id in merged:
@@ -275,4 +301,6 @@ class LLMEngine:
             queued = len(self._incoming)
         return self.stats_.snapshot(pool_seqs=self.pool.num_running,
                                     pool_kv_tokens=self.pool.kv_tokens(),
-                                    queue_len=self.pool.num_waiting + queued)
+                                    queue_len=self.pool.num_waiting + queued,
+                                    pool_kv_tokens_allocated=self.pool.kv_allocated(),
+                                    pool_kv_tokens_reserved=self.pool.kv_reserved())

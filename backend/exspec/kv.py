@@ -149,6 +149,16 @@ class PaddedKV:
     def batch(self) -> int:
         return self.valid.shape[0]
 
+    # -- accounting: what admission reserves, and what is really allocated ---------------------
+    @staticmethod
+    def entries_for(num_tokens: int) -> int:
+        """KV entries a row that grows to num_tokens holds (the budget's unit): one per token
+        here (but a group's tensors are rows x its longest row: see allocated_tokens)."""
+        return num_tokens
+
+    def allocated_tokens(self) -> int:
+        """KV entries the cache tensors hold room for (rows x columns), used or not."""
+        return self.batch * self.width
 
     # -- a forward pass: the mask to pass in, then the bookkeeping after it -------------------
     def attention_mask(self, input_valid: torch.Tensor, counts: list[int],

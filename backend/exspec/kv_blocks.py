@@ -269,6 +269,12 @@ class BlockStores:
         self.max_blocks = None if max_num_kv_tokens is None else KVStore.units_for(max_num_kv_tokens) + 1
         self.stores: dict[int, KVStore] = {}
 
+    @staticmethod
+    def entries_for(num_tokens: int) -> int:
+        """KV entries a sequence that grows to num_tokens holds in a store: whole blocks (what
+        admission reserves, issue 15)."""
+        return KVStore.units_for(num_tokens) * BLOCK_SIZE
+
     def store(self, model) -> KVStore:
         if id(model) not in self.stores:
             initial = 64 if self.max_blocks is None else min(64, self.max_blocks)

@@ -1,6 +1,7 @@
 """SequencePool: every admitted, unfinished sequence with its caches, and the tick (DESIGN §3.5).
 
-tick = admit (batched prefill) -> choose a group and its k -> step -> realign -> retire.
+tick = choose a group and its k -> prefill within the tick's token budget (chunks of long
+prompts, short ones batched) -> [first tokens go out] -> step -> realign -> retire.
 The policy lives in `scheduler.py`; this module only holds state and carries plans out.
 """
 from __future__ import annotations
@@ -29,7 +30,12 @@ class SequencePool:
         self.stats = stats
         self.waiting: deque[Sequence] = deque()
         self.groups: list[Group] = []
-        self.scheduler = Scheduler(config, has_draft=runner.draft is not None)
+        # admitted sequences whose prompt is being fed in chunks, one row per group; each
+        # joins `groups` once its last chunk produced its first token
+        self.prefilling: list[Group] = []
+        self.planned: tuple[Group, int] | None = None   # this tick's step (group, k), not yet run
+        self.scheduler = Scheduler(config, has_draft=runner.draft is not None,
+                                   entries_for=runner.kv_layout.entries_for)
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -38,10 +44,20 @@ class SequencePool:
 
     @property
     def num_running(self) -> int:
-        return sum(len(g) for g in self.groups)
+        return len(self.admitted())
+
+    def admitted(self) -> list[Sequence]:
+        """Every sequence holding KV state: running, or with its prompt partly fed."""
+        return [s for g in self.groups + self.prefilling for s in g.seqs]
 
     def kv_tokens(self) -> int:
-        return sum(g.kv_tokens() for g in self.groups)
+        return sum(g.kv_tokens() for g in self.groups + self.prefilling)
+
+    def kv_allocated(self) -> int:
+        return sum(kv.allocated_tokens() for g in self.groups + self.prefilling for kv in g.caches())
+
+    def kv_reserved(self) -> int:
+        return sum(self.scheduler.reservation(s) for s in self.admitted())
 
     # -- intake -------------------------------------------------------------------------------------
     def enqueue(self, seqs: list[Sequence]) -> None:
@@ -55,7 +71,7 @@ class SequencePool:
             self.waiting.remove(seq)
             seq.finish("abort")
             touched.append((seq, [], None))
-        for group in self.groups:
+        for group in self.groups + self.prefilling:
             hit = [s for s in group.seqs if s.request_id in request_ids]
             for seq in hit:
                 seq.finish("abort")
@@ -63,33 +79,66 @@ class SequencePool:
         self._retire()
         return touched
 
-    # -- the tick -----------------------------------------------------------------------------------
-    def tick(self) -> list[Touched]:
-        touched: list[Touched] = []
-        with self.stats.timer("schedule"):
-            admitted = self.scheduler.admit(self.waiting, self.groups)
-        if admitted:
-            touched += self._prefill(admitted)
+    # -- the tick, in two halves ----------------------------------------------------------------------
+    # begin_tick chooses the step, then spends the rest of the tick's token budget
+    # (max_num_batched_tokens) on prefill; the engine sends the first tokens it produced before
+    # finish_tick runs the step. Prefill chunks of long prompts thus alternate with steps.
+    def begin_tick(self) -> list[Touched]:
         with self.stats.timer("schedule"):
             plan = self.scheduler.choose(self.groups)
-        if plan is None:
-            return touched
-        with self.stats.timer("step"):   # the step's time includes forming its group
-            group = self._merge(plan.groups) if len(plan.groups) > 1 else plan.groups[0]
-            k = self.scheduler.k_for(group)
-            touched += self._step(group, k)
+        if plan is not None:
+            with self.stats.timer("step"):   # the step's time includes forming its group
+                group = self._merge(plan.groups) if len(plan.groups) > 1 else plan.groups[0]
+                self.planned = (group, self.scheduler.k_for(group))
+        budget = self.scheduler.prefill_budget(*(self.planned or (None, 0)))
+        touched: list[Touched] = []
+        for group in list(self.prefilling):   # prompts under way first, oldest first
+            if budget is not None and budget <= 0:
+                break
+            left = group.seqs[0].num_prompt_tokens - group.seqs[0].num_cached_target
+            count = left if budget is None else min(left, budget)
+            budget = None if budget is None else budget - count
+            touched += self._prefill(group, [count])
+        with self.stats.timer("schedule"):
+            admitted = self.scheduler.admit(self.waiting, self.admitted(), budget)
+        whole = []
+        for seq, count in admitted:
+            self.waiting.remove(seq)
+            if count == seq.num_prompt_tokens:
+                whole.append(seq)
+            else:   # too long for this tick: fed in chunks over the next ticks
+                touched += self._prefill(self.runner.new_group([seq]), [count])
+        if whole:   # short prompts: one batched forward
+            touched += self._prefill(self.runner.new_group(whole), [s.num_prompt_tokens for s in whole])
         return touched
 
-    def _prefill(self, seqs: list[Sequence]) -> list[Touched]:
-        for seq in seqs:
-            self.waiting.remove(seq)
+    def finish_tick(self) -> list[Touched]:
+        if self.planned is None:
+            return []
+        (group, k), self.planned = self.planned, None
+        if group not in self.groups:   # every row was retired meanwhile
+            return []
+        with self.stats.timer("step"):
+            return self._step(group, k)
+
+    def _prefill(self, group: Group, counts: list[int]) -> list[Touched]:
+        """Feed a group the next counts[i] prompt tokens of its rows; the rows have either all
+        finished their prompt after it (the group joins the running ones) or none."""
         try:
-            group = self.runner.prefill(seqs)
+            done = self.runner.prefill(group, counts)
         except Exception:
-            return self._fail(seqs, traceback.format_exc(limit=3))
+            if group in self.prefilling:
+                self.prefilling.remove(group)
+            return self._fail(group.seqs, traceback.format_exc(limit=3))
+        if not all(done):
+            if group not in self.prefilling:
+                self.prefilling.append(group)
+            return []
+        if group in self.prefilling:
+            self.prefilling.remove(group)
         self.groups.append(group)
         touched = [(s, s.output_ids[-1:], s.logprobs[-1:] if s.params.logprobs is not None else None)
-                   for s in seqs]
+                   for s in group.seqs]
         self._retire()
         return touched
 
@@ -141,15 +190,19 @@ class SequencePool:
 
     def _retire(self) -> None:
         """Drop finished rows from their groups (and empty groups from the pool)."""
+        self.groups = self._without_finished(self.groups)
+        self.prefilling = self._without_finished(self.prefilling)
+
+    def _without_finished(self, groups: list[Group]) -> list[Group]:
         kept = []
-        for group in self.groups:
+        for group in groups:
             rows = [i for i, s in enumerate(group.seqs) if not s.finished]
             if rows:
                 with self.stats.timer("realign"):
                     moved = group.keep(rows)
                 self.stats.add("realign_bytes", moved)
                 kept.append(group)
-        self.groups = kept
+        return kept
 
     def _fail(self, seqs: list[Sequence], error: str) -> list[Touched]:
         for seq in seqs:
@@ -157,6 +210,6 @@ class SequencePool:
         return [(s, [], None) for s in seqs]
 
     def fail_all(self, error: str) -> list[Touched]:
-        seqs = [s for g in self.groups for s in g.seqs] + list(self.waiting)
-        self.groups, self.waiting = [], deque()
+        seqs = self.admitted() + list(self.waiting)
+        self.groups, self.prefilling, self.waiting, self.planned = [], [], deque(), None
         return self._fail(seqs, error)

@@ -101,31 +101,55 @@ class ModelRunner:
         return gumbel(rows.seed, positions, self.noise_width)
 
     # -- prefill --------------------------------------------------------------------------------
+    def new_group(self, seqs: list[Sequence]) -> Group:
+        """A group for sequences about to be prefilled: empty caches for both models."""
+        target_kv = self.kv_layout.empty(self.target, len(seqs), self.device)
+        draft_kv = None if self.draft is None else self.kv_layout.empty(self.draft, len(seqs), self.device)
+        return Group(seqs, target_kv, draft_kv)
+
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> Group:
-        """Prefill new sequences, batched, for both models; commits each one's first token."""
+    def prefill(self, group: Group, counts: list[int]) -> list[bool]:
+        """Feed row i its next counts[i] prompt tokens, batched, for both models (one chunk of
+        a chunked prefill, or the whole prompt). A row that has now fed its whole prompt
+        commits its first token; returns, per row, whether it did. The logits kept are the
+        last column's: every row's last fed token (inputs are left-padded)."""
+        seqs = group.seqs
         with self.stats.timer("prefill"):
-            prompts = [list(s.tokens) for s in seqs]
-            ids, pos, valid, counts, (first_pos,) = self._ragged_input(
-                prompts, [0] * len(seqs), [[len(p) for p in prompts]])
-            target_kv = self.kv_layout.empty(self.target, len(seqs), self.device)
-            logits = self._forward(self.target, target_kv, ids, pos, valid, counts, keep=1, decode=False)
-            draft_kv = None
+            starts = [s.num_cached_target for s in seqs]
+            chunks = [s.tokens[n:n + c] for s, n, c in zip(seqs, starts, counts)]
+            ids, pos, valid, fed, _ = self._ragged_input(chunks, starts)
+            logits = self._forward(self.target, group.target_kv, ids, pos, valid, fed, keep=1,
+                                   decode=False)
             if self.draft is not None:
-                draft_kv = self.kv_layout.empty(self.draft, len(seqs), self.device)
-                self._forward(self.draft, draft_kv, ids, pos, valid, counts, keep=1, decode=False)
-            group = Group(seqs, target_kv, draft_kv)
-            rows = group.sampling(self.device, self.transfers.to_device)
-            first, _ = self._pick(logits[:, 0], rows, seqs, self._noise(rows, first_pos, 1))
-            lp = token_logprobs(logits[:, :1], first[:, None], [s.params.logprobs for s in seqs])
-            for row, (seq, token) in enumerate(zip(seqs, self.transfers.to_host(first))):
-                seq.num_cached_target = seq.num_cached_draft = len(seq.tokens)
-                seq.append([token], lp[row])
-            n = sum(len(p) for p in prompts)
+                self._forward(self.draft, group.draft_kv, ids, pos, valid, fed, keep=1, decode=False)
+            for seq, chunk in zip(seqs, chunks):
+                seq.num_cached_target += len(chunk)
+                seq.num_cached_draft += len(chunk)
+            done = [s.num_cached_target == s.num_prompt_tokens for s in seqs]
+            rows = [i for i, d in enumerate(done) if d]
+            if rows:   # each row's last fed token is in the last column: the next position follows
+                self._first_tokens(group, logits, rows, pos[:, -1] + 1)
+            n = sum(fed)
             self.stats.add("prefill_tokens_target", n)
             if self.draft is not None:
                 self.stats.add("prefill_tokens_draft", n)
-        return group
+        return done
+
+    def _first_tokens(self, group: Group, logits: torch.Tensor, rows: list[int],
+                      next_pos: torch.Tensor) -> None:
+        """Commit the first token of the given rows from their last prompt token's logits
+        (next_pos [B]: each row's next position, on the device)."""
+        seqs = [group.seqs[i] for i in rows]
+        sampling = group.sampling(self.device, self.transfers.to_device)
+        if len(rows) < len(group):
+            sampling = RowSampling.from_params([s.params for s in seqs], self.device,
+                                               [s.seed for s in seqs], self.transfers.to_device)
+            index = self.transfers.ints_to_device(rows)
+            logits, next_pos = logits[index], next_pos[index]
+        first, _ = self._pick(logits[:, 0], sampling, seqs, self._noise(sampling, next_pos, 1))
+        lp = token_logprobs(logits[:, :1], first[:, None], [s.params.logprobs for s in seqs])
+        for row, (seq, token) in enumerate(zip(seqs, self.transfers.to_host(first))):
+            seq.append([token], lp[row])
 
     def catch_up_draft(self, group: Group) -> None:
         """After plain steps the draft lags; feed it what it missed (one batched prefill)."""

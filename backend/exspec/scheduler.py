@@ -152,32 +152,57 @@ class AdaptiveK:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, has_draft: bool):
+    def __init__(self, config: EngineConfig, has_draft: bool, entries_for=lambda n: n):
         self.config = config
         self.speculative = has_draft and config.speculative
         self.exspec = config.method == "exspec"
         self.adaptive = AdaptiveK(config.num_speculative_tokens) if (
             self.speculative and config.adaptive_k) else None
+        self.entries_for = entries_for      # KV entries the layout allocates a row of n tokens
+        self.models = 2 if has_draft else 1   # the runner prefills the draft whenever it has one
 
     # -- admission ----------------------------------------------------------------------------------
-    def admit(self, waiting, groups: list[Group]) -> list[Sequence]:
-        """Waiting sequences to prefill now, in arrival order, within the pool's bounds."""
-        running = sum(len(g) for g in groups)
+    def kv_peak(self, prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+        """KV entries (all models, in whole allocation units) a sequence can ever hold:
+        its last step starts at most at prompt + max_tokens - 1 committed tokens and appends up
+        to k drafts (verification never reaches past max_model_len; see k_for)."""
+        last = min(prompt_tokens + max_tokens, max_model_len)
+        k = self.config.num_speculative_tokens if self.speculative else 0
+        return self.models * self.entries_for(min(last - 1 + k, max_model_len))
+
+    def reservation(self, seq: Sequence) -> int:
+        return self.kv_peak(seq.num_prompt_tokens, seq.max_tokens, seq.max_model_len)
+
+    def admit(self, waiting, admitted: list[Sequence],
+              budget: int | None) -> list[tuple[Sequence, int]]:
+        """Waiting sequences to admit now, in arrival order, with the prompt tokens each gets
+        this tick (all of it, or a first chunk of it; `budget` = the tick's prefill tokens left,
+        None = unlimited). A sequence is admitted only when what it can grow to fits beside the
+        reservations of those already admitted, so the pool cannot run out of KV mid-generation
+        (one that could never fit was refused at add_request)."""
         limit = self.config.max_num_seqs if self.exspec else self.config.max_batch_size
-        room = min(limit - running, self.config.max_batch_size)
-        budget = self.config.max_num_kv_tokens
-        kv = sum(g.kv_tokens() for g in groups)
-        models = 2 if self.speculative else 1
+        room = min(limit - len(admitted), self.config.max_batch_size)
+        kv_budget = self.config.max_num_kv_tokens
+        reserved = sum(self.reservation(s) for s in admitted)
         chosen = []
         for seq in waiting:
-            if len(chosen) >= room:
+            if len(chosen) >= room or (budget is not None and budget <= 0):
                 break
-            need = models * seq.num_tokens
-            if budget is not None and kv + need > budget and (chosen or running):
-                break   # wait for room (a lone request is admitted so it cannot starve)
-            kv += need
-            chosen.append(seq)
+            need = self.reservation(seq)
+            if kv_budget is not None and reserved + need > kv_budget:
+                break   # waits, in order, for finishing sequences to free their reservations
+            reserved += need
+            count = seq.num_prompt_tokens if budget is None else min(seq.num_prompt_tokens, budget)
+            budget = None if budget is None else budget - count
+            chosen.append((seq, count))
         return chosen
+
+    def prefill_budget(self, group: Group | None, k: int) -> int | None:
+        """Prefill tokens this tick may feed beside the step it runs (vLLM's
+        max_num_batched_tokens: prefill chunks and decode tokens together); None: no limit."""
+        if self.config.max_num_batched_tokens is None:
+            return None
+        return self.config.max_num_batched_tokens - (len(group) * (k + 1) if group else 0)
 
     # -- choosing the step ----------------------------------------------------------------------------
     def choose(self, groups: list[Group]) -> Plan | None:

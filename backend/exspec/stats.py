@@ -65,14 +65,17 @@ class Stats:
                 still.append((phase, start, end))
         self._pending = still
 
-    def snapshot(self, pool_seqs: int, pool_kv_tokens: int, queue_len: int) -> dict:
+    def snapshot(self, pool_seqs: int, pool_kv_tokens: int, queue_len: int,
+                 pool_kv_tokens_allocated: int = 0, pool_kv_tokens_reserved: int = 0) -> dict:
         self._settle(wait=True)   # once per tick, after the step's own sync: nothing waits here
         c = self.counts
         out = {k: v for k, v in c.items() if k != "row_steps"}
         out["acceptance_rate"] = c["accepted_tokens"] / c["draft_tokens"] if c["draft_tokens"] else None
         out["mean_accepted_length"] = c["committed_tokens"] / c["row_steps"] if c["row_steps"] else None
         out.update({f"time_{k}_s": v for k, v in self.seconds.items()})
-        out.update(pool_seqs=pool_seqs, pool_kv_tokens=pool_kv_tokens, queue_len=queue_len)
+        out.update(pool_seqs=pool_seqs, pool_kv_tokens=pool_kv_tokens, queue_len=queue_len,
+                   pool_kv_tokens_allocated=pool_kv_tokens_allocated,
+                   pool_kv_tokens_reserved=pool_kv_tokens_reserved)
         out["realign_share"] = (self.seconds["realign"] / self.seconds["step"]
                                 if self.seconds["step"] else None)
         # for the benchmark's analytic ideal: how many steps ran at each (rows, k)

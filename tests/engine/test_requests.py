@@ -161,6 +161,11 @@ def test_bad_engine_configs_get_clear_errors(pairs, tmp_path):
     with pytest.raises(ValueError, match="unknown sampling_coupling 'maximal'; expected one of "
                                          "gumbel, rejection"):
         EngineConfig.from_dict({**base, "sampling_coupling": "maximal"})
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens must exceed the tokens of one "
+                                         r"step \(max_batch_size x \(num_speculative_tokens \+ 1\) = 48\)"):
+        EngineConfig(**base, max_batch_size=8, num_speculative_tokens=5, max_num_batched_tokens=48)
+    EngineConfig(**base, max_batch_size=8, num_speculative_tokens=5, max_num_batched_tokens=49)
+    EngineConfig(**base, max_num_batched_tokens=None)   # chunking off
     with pytest.raises(ValueError, match="enforce_eager must be true or false"):
         EngineConfig.from_dict({**base, "enforce_eager": "false"})
     with pytest.raises(ValueError, match="unknown engine config keys: colour"):

@@ -18,6 +18,12 @@ GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7)
 
 
+def tick(engine):
+    """One whole tick of the pool (its two halves: plan and prefill, then the step)."""
+    engine.pool.begin_tick()
+    engine.pool.finish_tick()
+
+
 def steady_steps(engine, prompts, params, steps=6):
     """Admit every prompt, let the first ticks settle, then audit `steps` ticks that only step
     (no admission, no row leaving): per tick (h2d, d2h, where)."""
@@ -29,7 +35,7 @@ def steady_steps(engine, prompts, params, steps=6):
     for _ in range(steps):
         audit = TransferAudit()
         with audit.counting():
-            engine.pool.tick()
+            tick(engine)
         counts.append((audit.h2d, audit.d2h, audit.where))
     assert engine.pool.num_running == len(prompts), "a row left during the audited ticks"
     return counts
@@ -85,7 +91,7 @@ def test_on_cuda_a_tick_waits_for_the_device_once(pairs, method):
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            engine.pool.tick()
+            tick(engine)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]

@@ -37,6 +37,9 @@ def test_cancelled_stream_stops_and_frees_the_pool(server):
              what="the cancelled request to be counted")
     wait_for(lambda: scrape(server, "exspec:num_requests_running", model="exspec") == 0,
              what="exspec:num_requests_running to return to 0")
+    for role in ("allocated", "reserved"):   # its caches and its reservation are gone
+        wait_for(lambda: scrape(server, "exspec:kv_cache_tokens", model="exspec", role=role) == 0,
+                 what=f"exspec:kv_cache_tokens{{role={role}}} to return to 0")
     generated = scrape(server, "exspec:generation_tokens_total", model="exspec") - tokens_before
     assert generated < 480, f"the cancelled request ran to the end ({generated} tokens)"
     # and the server carries on

@@ -141,6 +141,7 @@ def test_step_granularity_streams_one_response_per_engine_step(server):
     per_token = grpc_one(server.urls["grpc"], "exspec", prompt=PROMPT, stream=True, sampling=sampling)
     sizes = [len(r.ids()) for r in call.responses]
     assert sum(sizes) == 24 and max(sizes) > 1, f"no step committed several tokens: {sizes}"
+    assert sizes[0] == 1, f"the prefill token did not go out in a response of its own: {sizes}"
     assert call.ids() == per_token.ids() and call.text() == per_token.text()
 
 

@@ -108,7 +108,8 @@ def stats_delta(before: dict, after: dict) -> dict:
     keys = [k for k, v in after.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)
             and k not in ("acceptance_rate", "mean_accepted_length", "realign_share",
-                          "pool_seqs", "pool_kv_tokens", "queue_len")]
+                          "pool_seqs", "pool_kv_tokens", "pool_kv_tokens_allocated",
+                          "pool_kv_tokens_reserved", "queue_len")]
     out = {k: after[k] - (before.get(k) or 0) for k in keys}
     shapes = {(s["rows"], s["k"]): s["steps"] for s in after["steps_by_shape"]}
     for s in before["steps_by_shape"]:

@@ -24,7 +24,8 @@ def forward_costs(engine, batch_sizes: list[int], k: int, repeats: int = 20) -> 
     for batch in batch_sizes:
         seqs = [engine._sequence(f"cost-{batch}-{i}", [(5 * i + j) % 97 + 1 for j in range(CONTEXT)],
                                  SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(batch)]
-        group = runner.prefill(seqs)
+        group = runner.new_group(seqs)
+        runner.prefill(group, [CONTEXT] * batch)
         for name, model, kv, width in (("draft", runner.draft, group.draft_kv, 1),
                                        ("target", runner.target, group.target_kv, k + 1)):
             if model is None:

@@ -1,0 +1,101 @@
+"""Admission by reservation (max_num_kv_tokens): a request is admitted only when what it can
+grow to fits, so a burst whose max_tokens far exceed the budget completes exactly, nothing
+fails and the KV held never passes the budget; one that can never fit is refused at once."""
+import pytest
+
+from exspec import EngineBusyError, InvalidRequestError, SamplingParams, kv_blocks
+from exspec.scheduler import Scheduler
+
+from conftest import make_engine, make_prompts
+
+K = 5
+MAX_TOKENS = 60
+LONGEST = 40                                  # make_prompts' longest prompt
+ENTRIES = kv_blocks.BlockStores.entries_for    # whole blocks (EQSPEC's layout: per token)
+PEAK = 2 * ENTRIES(LONGEST + MAX_TOKENS - 1 + K)   # both models, the last step's drafts included
+BUDGET = 3 * PEAK                             # a few long sequences at a time
+
+
+def burst(pairs, method, count=16):
+    engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=4, max_num_seqs=16,
+                         num_speculative_tokens=K, max_num_kv_tokens=BUDGET)
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=51, count=count)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS))
+    return engine, prompts
+
+
+def drive(engine):
+    """Run to the end; per request its tokens and final output, and the pool's peaks."""
+    got, final, peak = {}, {}, {"used": 0, "reserved": 0, "allocated": 0, "seqs": 0, "queue": 0}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                final[out.request_id] = out
+        stats = engine.stats()
+        for key, stat in (("used", "pool_kv_tokens"), ("reserved", "pool_kv_tokens_reserved"),
+                          ("allocated", "pool_kv_tokens_allocated"), ("seqs", "pool_seqs"),
+                          ("queue", "queue_len")):
+            peak[key] = max(peak[key], stats[stat])
+    return got, final, peak
+
+
+@pytest.mark.parametrize("method", ["exspec", "eqspec"])
+def test_a_burst_beyond_the_kv_budget_completes_exactly_within_it(pairs, reference, method):
+    engine, prompts = burst(pairs, method)
+    assert sum(2 * (len(p) + MAX_TOKENS + K) for p in prompts) > 2 * BUDGET
+    got, final, peak = drive(engine)
+    for i, p in enumerate(prompts):
+        out = final[f"r{i}"]
+        assert out.finish_reason in ("stop", "length"), f"r{i}: {out.finish_reason} {out.error}"
+        assert got[f"r{i}"] == reference(pairs["llama", "target"], p, MAX_TOKENS), f"r{i} differs"
+    assert peak["used"] <= peak["reserved"] <= BUDGET, peak
+    assert peak["queue"] > 0 and peak["seqs"] < len(prompts), f"the budget never bound: {peak}"
+
+
+def test_admitting_by_prompt_alone_overruns_the_budget_negative_control(pairs, monkeypatch):
+    """The old rule (prompt tokens only) runs the pool out of KV mid-generation: the block
+    stores fill up and requests fail, which the test above would catch."""
+    monkeypatch.setattr(Scheduler, "reservation", lambda self, seq: self.models * seq.num_tokens)
+    engine, _ = burst(pairs, "exspec")
+    _, final, peak = drive(engine)
+    failed = [o.error for o in final.values() if o.finish_reason == "error"]
+    assert failed and all("KV store full" in e for e in failed), (failed, peak)
+
+
+def test_allocated_kv_never_exceeds_the_budget(pairs):
+    """EXSPEC's block stores: the blocks rows hold stay within their reservations, and each
+    model's store within its share of the budget (plus its scratch block and rounding). (EQSPEC's
+    padded baseline allocates rows x its longest row, which reservations do not bound.)"""
+    engine, _ = burst(pairs, "exspec")
+    _, final, peak = drive(engine)
+    assert all(o.finish_reason != "error" for o in final.values())
+    assert peak["allocated"] <= peak["reserved"] <= BUDGET, peak
+    stores = engine.runner.kv_layout.stores.values()
+    capacity = sum(s.num_blocks * kv_blocks.BLOCK_SIZE for s in stores)
+    assert capacity <= BUDGET + len(stores) * 2 * kv_blocks.BLOCK_SIZE, capacity
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once(pairs, reference):
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2,
+                         max_num_seqs=4, max_queue_len=2, num_speculative_tokens=K,
+                         max_num_kv_tokens=PEAK)
+    prompt = make_prompts(320, pairs["llama", "eos"], seed=52, count=8)[7]   # LONGEST tokens
+    too_many = MAX_TOKENS + kv_blocks.BLOCK_SIZE   # one block more than fits
+    with pytest.raises(InvalidRequestError, match=rf"prompt \({LONGEST} tokens\) \+ max_tokens "
+                                                  rf"\({too_many}\) can grow to {PEAK + 32} KV "
+                                                  rf"cache entries, more than the whole pool holds"):
+        engine.add_request("huge", prompt, SamplingParams(max_tokens=too_many))
+    assert not engine.has_unfinished()
+    # each of these fits alone but not beside another: they wait, in turn, and complete
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request("r0", prompt, params)
+    engine.add_request("r1", prompt, params)
+    engine.step()   # r0 admitted; r1 waits for its room
+    engine.add_request("r2", prompt, params)
+    with pytest.raises(EngineBusyError, match="busy"):   # beyond the queue: the busy error
+        engine.add_request("r3", prompt, params)
+    got, final, peak = drive(engine)
+    assert [final[f"r{i}"].finish_reason for i in range(3)] == ["length"] * 3, final
+    assert peak["seqs"] == 1 and peak["reserved"] <= PEAK, peak
