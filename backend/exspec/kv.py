@@ -162,16 +162,17 @@ class PaddedKV:
 
     # -- a forward pass: the mask to pass in, then the bookkeeping after it -------------------
     def attention_mask(self, input_valid: torch.Tensor, counts: list[int],
-                       positions: torch.Tensor) -> torch.Tensor | dict | None:
+                       positions: torch.Tensor, always: bool = False) -> torch.Tensor | dict | None:
         """None where no row has padding (the model's own masks are exact, sliding windows
         included: a column is then a position, and HF skips building one where it can); else
         one 4D mask per layer type from the rows' positions (a 2D mask would make HF read it back
-        to see whether it is all ones). positions [B, q]: the inputs' positions (I1)."""
+        to see whether it is all ones). positions [B, q]: the inputs' positions (I1). `always`:
+        a mask even where none is needed (a compiled forward would compile again for None)."""
         q = input_valid.shape[1]
         keys = torch.cat([self.valid, input_valid], dim=1)                     # [B, W + q]
         if self.mask_2d:
             return keys.long()
-        if self.aligned and min(self.lengths, default=0) == self.width and min(counts) == q:
+        if not always and self.aligned and min(self.lengths, default=0) == self.width and min(counts) == q:
             return None
         key_pos = keys.cumsum(1) - 1   # a valid column's position in its row (I1)
         return self.masks.build(key_pos, keys, positions)

@@ -190,7 +190,7 @@ class BlockKV:
 
     # -- a forward pass -----------------------------------------------------------------------
     def attention_mask(self, input_valid: torch.Tensor, counts: list[int],
-                       positions: torch.Tensor) -> torch.Tensor:
+                       positions: torch.Tensor, always: bool = True) -> torch.Tensor:
         """Room for the forward's tokens, the forward's slots bound for the layers, and its mask.
         input_valid / positions [B, q] on the device (left-padded rows: real tokens last)."""
         grew = [t.reserve(self.store, t.length + c) for t, c in zip(self.tables, counts)]

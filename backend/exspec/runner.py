@@ -75,7 +75,8 @@ class ModelRunner:
         forward = self.decode_forwards.get(model, model) if decode else model
         if forward is not model:   # compiled: inputs of one stride pattern (a copy on EQSPEC's views)
             self.stats.add("realign_bytes", kv.make_contiguous())
-        out = forward(input_ids=ids, attention_mask=kv.attention_mask(valid, counts, pos), position_ids=pos,
+        mask = kv.attention_mask(valid, counts, pos, always=forward is not model)
+        out = forward(input_ids=ids, attention_mask=mask, position_ids=pos,
                       cache=kv.cache, use_cache=True, logits_to_keep=keep)
         kv.appended(valid, counts)
         # a target spread over GPUs ends on its last GPU; sampling lives on the engine's device

@@ -103,8 +103,8 @@ def test_chunk_masks_grow_with_the_chunk_not_the_prompt(pairs, reference, monkey
     shapes = []
     original = kv_blocks.BlockKV.attention_mask
 
-    def recorded(self, input_valid, counts, positions):
-        mask = original(self, input_valid, counts, positions)
+    def recorded(self, input_valid, counts, positions, always=True):
+        mask = original(self, input_valid, counts, positions, always)
         shapes.append(tuple(mask.shape))
         return mask
     monkeypatch.setattr(kv_blocks.BlockKV, "attention_mask", recorded)
