@@ -220,7 +220,8 @@ def plot(cells: list[dict], path: Path) -> None:
     series: dict[str, list[dict]] = {}
     for c in sorted(cells, key=lambda c: (order(c), c["batch_size"])):
         series.setdefault(label(c), []).append(c)
-    colors = dict(zip(series, plt.get_cmap("tab10").colors))
+    palette = plt.get_cmap("tab10").colors   # cycled: --fixed-k can make more than ten series
+    colors = {name: palette[i % len(palette)] for i, name in enumerate(series)}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     twin = right.twinx()
     for name, group in series.items():
