@@ -117,7 +117,8 @@ def kv_layout(config, models):
                                              for m in models):
         # admission reserves the same entries in every model's store: each gets its share
         budget, count = config.max_num_kv_tokens, sum(m is not None for m in models)
-        return BlockStores(config.device, None if budget is None else budget // count)
+        return BlockStores(config.device, None if budget is None else budget // count,
+                           bucketed=not config.enforce_eager)
     return PaddedKV
 
 

@@ -15,10 +15,11 @@ is the token's position and rolling back rejected drafts is a length change. Its
 to the free list when the row leaves (`release`) or, whatever path drops it, when it is freed.
 
 BlockKV. A group's view: the rows' tables. Merging groups and dropping rows copy no KV (only
-tables move). A forward gets a device block table [B, nb] (nb bucketed to a power of two); the
-cache layer writes the new entries at their slots and gathers each row's blocks into
-[B, H, nb * BLOCK_SIZE, D] for attention: dense attention over the bucket, so a forward costs in
-proportion to the longest row's blocks (measured in the benchmark, see README). The masks come
+tables move). A forward gets a device block table [B, nb] (nb: the longest row's blocks, bucketed
+to a power of two on the compiled path); the cache layer writes the new entries at their slots
+and gathers each row's blocks into [B, H, nb * BLOCK_SIZE, D] for attention: dense attention
+over those columns, so a forward costs in proportion to the longest row's blocks (measured: see
+README, "The decode path"). The masks come
 from one function (kv.LayerMasks.build, one mask per layer type, sliding windows included) of
 device tensors: key positions and query positions.
 
@@ -102,8 +103,10 @@ class KVStore:
     """One model's KV entries for every sequence of the pool, in blocks (see the module doc).
     Without a budget it doubles when its blocks run out (one copy of the buffers, rare)."""
 
-    def __init__(self, model, device, num_blocks: int = 64, max_blocks: int | None = None):
+    def __init__(self, model, device, num_blocks: int = 64, max_blocks: int | None = None,
+                 bucketed: bool = False):
         self.device = torch.device(device)
+        self.bucketed = bucketed   # table widths in powers of two (few shapes, for compiling)
         self.masks = LayerMasks.of(model)
         self.num_blocks = max(2, num_blocks)
         self.max_blocks = max_blocks
@@ -212,11 +215,12 @@ class BlockKV:
         return self.store.transfers.to_device(torch.tensor(self.host_table(), dtype=torch.long))
 
     def host_table(self) -> list[list[int]]:
-        """[B][nb] block ids (nb: the longest row's blocks, rounded up to a power of two so the
-        shapes a forward sees stay few, and at least 2: torch compiles a size of 1 apart),
-        padded with the scratch block."""
-        longest = max(2, max(len(t.blocks) for t in self.tables))
-        nb = 1 << (longest - 1).bit_length()
+        """[B][nb] block ids, padded with the scratch block. nb: the longest row's blocks; for a
+        compiled path rounded up to a power of two so the shapes a forward sees stay few, and at
+        least 2 (torch compiles a size of 1 apart). Eager attention reads only what rows hold:
+        a bucket would make it read up to twice that (measured: 1.2-1.5x the forward)."""
+        longest = max(len(t.blocks) for t in self.tables)
+        nb = 1 << (max(2, longest) - 1).bit_length() if self.store.bucketed else longest
         return [t.blocks + [SCRATCH_BLOCK] * (nb - len(t.blocks)) for t in self.tables]
 
     def table_rows_for(self, extra: int) -> list[list[int]] | None:
@@ -264,8 +268,9 @@ class BlockKV:
 class BlockStores:
     """The EXSPEC layout's factory: one KVStore per model, new groups' BlockKVs in them."""
 
-    def __init__(self, device, max_num_kv_tokens: int | None = None):
+    def __init__(self, device, max_num_kv_tokens: int | None = None, bucketed: bool = False):
         self.device = device
+        self.bucketed = bucketed   # the compiled path: table widths in powers of two
         self.max_blocks = None if max_num_kv_tokens is None else KVStore.units_for(max_num_kv_tokens) + 1
         self.stores: dict[int, KVStore] = {}
 
@@ -278,7 +283,7 @@ class BlockStores:
     def store(self, model) -> KVStore:
         if id(model) not in self.stores:
             initial = 64 if self.max_blocks is None else min(64, self.max_blocks)
-            self.stores[id(model)] = KVStore(model, self.device, initial, self.max_blocks)
+            self.stores[id(model)] = KVStore(model, self.device, initial, self.max_blocks, self.bucketed)
         return self.stores[id(model)]
 
     def empty(self, model, batch: int, device) -> BlockKV:
