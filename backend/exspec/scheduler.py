@@ -23,17 +23,21 @@ class Plan:
 class AdaptiveK:
     """k per group from the tokens each k commits and measured step cost, with hysteresis.
 
-    Committed tokens per row-step at k are measured, not modelled: a step at k whose row
-    accepted a drafts would have committed min(a, k') + 1 tokens at any k' <= k (greedy and the
-    gumbel coupling accept the same prefix whatever k), so every step updates the yield of
-    every k' up to its own. The geometric model (1 - a^(k+1)) / (1 - a) at per-token acceptance
-    a is only the fallback for a k with no measured yield yet: acceptance comes in runs (a row
-    that accepts its first drafts tends to accept them all), so on the demo pair at k = 5 it
-    predicted 3.5 tokens per row-step where 4.7 were committed, and steered k too low. Its
-    acceptance a is estimated per sequence (and pool-wide, as the prior for new sequences) as
-    accepted / (accepted + rejections) over recent steps.
-    Step cost is an exponential
-    moving average of measured step times per (batch-size bucket, k); a bucket not yet measured
+    Committed tokens per row-step at k come from measured per-draft hazards: h_j, the share of
+    rows whose draft j was verified (drafts 1 .. j-1 accepted) that rejected it. A row that
+    accepted a of k drafts tells h_1 .. h_min(a+1, k), whatever k the step ran at (greedy and the
+    gumbel coupling accept the same prefix at any k), and a row-step at k commits
+    1 + S_1 + ... + S_k, S_j = (1 - h_1) ... (1 - h_j). Acceptance comes in runs (a row that
+    accepts its first drafts tends to accept them all), so measured hazards fall with depth
+    where a geometric model at one per-token rate (on the demo pair at k = 5: 3.5 predicted,
+    4.7 committed) steers k too low. Every depth's counts decay with each row-step, and each
+    h_j is shrunk toward h_(j-1) (h_1 toward 1 - acceptance) by PRIOR_ROWS pseudo row-steps:
+    a depth no step has verified lately (the drafts beyond the current k, whose counts fade
+    faster) is extrapolated from the deepest measured one instead of holding on to stale counts, which otherwise kept k
+    stuck below its best after an early stretch of low acceptance. With no counts at all this
+    is the geometric model at the group's acceptance, estimated per sequence (and pool-wide,
+    as the prior for new sequences) as accepted / (accepted + rejections) over recent steps.
+    Step cost is an exponential moving average of measured step times per (batch-size bucket, k); a bucket not yet measured
     at some k borrows the nearest measured bucket's cost at that k (scaled by their plain-step
     costs), a k measured nowhere is interpolated in k from the bucket's measured k's (each
     extra draft token adds one draft forward and one verified column), and only a k that
@@ -50,17 +54,19 @@ class AdaptiveK:
     PROBE_EVERY = 8         # plain steps before speculation is tried again (doubles up to 256)
     EMA = 0.2
     DECAY = 0.9             # of the pool-wide acceptance counts, per speculative step
-    YIELD_DECAY = 0.98      # of the measured yields, per row-step (a memory of ~50 row-steps)
-    MIN_YIELD_ROWS = 4.0    # row-steps before a measured yield replaces the geometric model
+    HAZARD_DECAY = 0.98     # of the per-draft counts, per row-step (a memory of ~50 row-steps)
+    STALE_DECAY = 0.95      # of the counts of drafts beyond the step's k, per row-step
+    PRIOR_ROWS = 2.0        # pseudo row-steps pulling a draft's hazard toward the one before it
 
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.step_time: dict[tuple[int, int], float] = {}   # (bucket, k) -> seconds
         self.recent_accepted, self.recent_rejections = 7.0, 3.0   # prior: acceptance 0.7
         self.probe_every = self.PROBE_EVERY
-        # decayed sums, per k: tokens a row-step would have committed at k, and row-steps seen
-        self.yield_tokens = [0.0] * (max_k + 1)
-        self.yield_rows = [0.0] * (max_k + 1)
+        # decayed counts per draft depth j (index j - 1): rows whose draft j was verified, and
+        # rows that rejected it
+        self.verified = [0.0] * max_k
+        self.rejected = [0.0] * max_k
 
     @property
     def acceptance(self) -> float:
@@ -69,10 +75,6 @@ class AdaptiveK:
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << (batch - 1).bit_length()   # 1, 2, 4, 8, 16, ...
-
-    def expected_tokens(self, acceptance: float, k: int) -> float:
-        a = min(max(acceptance, 0.0), 0.999)
-        return (1 - a ** (k + 1)) / (1 - a)
 
     def cost(self, batch: int, k: int) -> float | None:
         """Measured, or estimated from other measurements; None if k was never measured."""
@@ -100,13 +102,21 @@ class AdaptiveK:
         t1, t2 = self.step_time[bucket, k1], self.step_time[bucket, k2]
         return max(t1 + (t2 - t1) * (k - k1) / (k2 - k1), min(t1, t2) * 0.5)
 
+    def hazards(self, acceptance: float) -> list[float]:
+        """h_1 .. h_max_k: each depth's measured rejection share, shrunk toward the depth before."""
+        out, prior = [], 1.0 - min(max(acceptance, 0.0), 0.999)
+        for verified, rejected in zip(self.verified, self.rejected):
+            prior = (rejected + self.PRIOR_ROWS * prior) / (verified + self.PRIOR_ROWS)
+            out.append(prior)
+        return out
+
     def tokens_per_row_step(self, acceptance: float, k: int) -> float:
-        """Measured committed tokens per row-step at k, else the geometric model's."""
-        if k == 0:
-            return 1.0
-        if k < len(self.yield_rows) and self.yield_rows[k] >= self.MIN_YIELD_ROWS:
-            return self.yield_tokens[k] / self.yield_rows[k]
-        return self.expected_tokens(acceptance, k)
+        """Tokens a row-step at k commits: 1 + the chances that drafts 1, 2, .., k survive."""
+        total, survive = 1.0, 1.0
+        for h in self.hazards(acceptance)[:k]:
+            survive *= 1.0 - h
+            total += survive
+        return total
 
     def rate(self, batch: int, k: int, acceptance: float) -> float:
         cost = self.cost(batch, k)
@@ -145,11 +155,16 @@ class AdaptiveK:
             self.recent_accepted = self.DECAY * self.recent_accepted + sum(accepted)
             self.recent_rejections = (self.DECAY * self.recent_rejections
                                       + sum(a < k for a in accepted))
-            decay = self.YIELD_DECAY ** len(accepted)
-            for kk in range(1, min(k, self.max_k) + 1):   # what each k' <= k would have committed
-                self.yield_tokens[kk] = decay * self.yield_tokens[kk] + sum(min(a, kk) + 1 for a in accepted)
-                self.yield_rows[kk] = decay * self.yield_rows[kk] + len(accepted)
-
+            # depths beyond k measured an older regime: they fade faster than verified ones
+            decays = [(self.HAZARD_DECAY if j < k else self.STALE_DECAY) ** len(accepted)
+                      for j in range(self.max_k)]
+            self.verified = [d * v for d, v in zip(decays, self.verified)]
+            self.rejected = [d * r for d, r in zip(decays, self.rejected)]
+            for a in accepted:
+                for j in range(min(a + 1, k, self.max_k)):   # drafts 1 .. a+1 were verified
+                    self.verified[j] += 1.0
+                if a < k:
+                    self.rejected[a] += 1.0
 
 class Scheduler:
     def __init__(self, config: EngineConfig, has_draft: bool, entries_for=lambda n: n):

@@ -225,7 +225,7 @@ def test_adaptive_k_hysteresis_and_fallback_to_plain():
     assert ak.choose(G(8, 0, 0.95), 5) > 0
     assert ak.choose(G(8, 5, 0.05), 5) == 0
     # hysteresis: a marginally better k does not make it switch
-    ak.step_time[(8, 3)] = ak.step_time[(8, 2)] * ak.expected_tokens(0.6, 3) / ak.expected_tokens(0.6, 2) * 0.97
+    ak.step_time[(8, 3)] = ak.step_time[(8, 2)] * ak.tokens_per_row_step(0.6, 3) / ak.tokens_per_row_step(0.6, 2) * 0.97
     assert ak.choose(G(8, 2, 0.6), 5) == 2
     # after a long plain stretch it probes speculation again, at the k most likely to pay
     # (the cheapest, k = 1, at this acceptance), then more rarely
@@ -272,10 +272,27 @@ def test_adaptive_k_measures_what_each_k_commits():
     assert a == pytest.approx(5 / 6, abs=0.03)
     assert ak.tokens_per_row_step(a, 5) == pytest.approx(3.5, rel=0.05)
     assert ak.tokens_per_row_step(a, 1) == pytest.approx(1.5, rel=0.05)
-    assert ak.expected_tokens(a, 1) > 1.75 and ak.expected_tokens(a, 5) > 3.75   # the model's view
+    geometric = lambda k: (1 - a ** (k + 1)) / (1 - a)   # noqa: E731  (the model's view)
+    assert geometric(1) > 1.75 and geometric(5) > 3.75
     # measured: k = 5 commits 3.5 per 2.25 s; k = 1: 1.5 per 1.25 s; plain: 1 per 1 s
     assert ak.choose(G(1, 1, a), 5) == 5
     assert ak.choose(G(1, 5, a), 5) == 5
+
+
+def test_adaptive_k_forgets_depths_it_no_longer_verifies():
+    """An early stretch of low acceptance at k = 5 (the bench's warm-up, a hard prompt) must not
+    keep k low once rows accept everything: drafts beyond the current k are no longer verified,
+    so their stale counts fade and their hazards follow the deepest measured one."""
+    ak = AdaptiveK(max_k=5)
+    for k in range(6):   # a cheap draft: every k pays at high acceptance
+        ak.step_time[(1, k)] = 1.0 + 0.1 * k
+    for _ in range(20):
+        ak.observe(1, 5, 1.5, [1])   # accept one draft, reject the second
+    assert ak.choose(G(1, 5, ak.acceptance), 5) == 1
+    for _ in range(100):
+        ak.observe(1, 1, 1.1, [1])   # every draft accepted at k = 1
+    assert ak.tokens_per_row_step(ak.acceptance, 5) > 4.5
+    assert ak.choose(G(1, 1, ak.acceptance), 5) == 5
 
 
 def test_scheduler_picks_starving_group_and_merges_equal_lengths():
