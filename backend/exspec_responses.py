@@ -24,10 +24,25 @@ OUTPUTS = [
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-def response(stream, out: RequestOutput, final: bool, prompt_text, token_text):
+def speculation_tensors(out: RequestOutput) -> list:
+    """The request's speculation counters so far. One list serves every per-token response of
+    a step (the counters are the step's): a Tensor keeps its shared memory once sent, and
+    building one costs about 25 us of the send thread, held under the GIL the engine needs."""
+    return [
+        pb_utils.Tensor("acceptance_rate", np.array(
+            [out.num_accepted_draft_tokens / out.num_draft_tokens if out.num_draft_tokens else 0.0],
+            dtype=np.float32)),
+        pb_utils.Tensor("total_accepted_draft_tokens",
+                        np.array([out.num_accepted_draft_tokens], dtype=np.int32)),
+        pb_utils.Tensor("total_draft_tokens", np.array([out.num_draft_tokens], dtype=np.int32)),
+    ]
+
+
+def response(stream, out: RequestOutput, final: bool, prompt_text, token_text, speculation=None):
     """One response for `stream` (the adapter's per-request state) from an engine output:
     this output's delta when streaming, else the whole text so far. `prompt_text()` gives the
-    prompt for prepend_prompt (decoded only when asked); `token_text(id)` one token's text."""
+    prompt for prepend_prompt (decoded only when asked); `token_text(id)` one token's text;
+    `speculation`: speculation_tensors(out), if already built for this step."""
     req = stream.req
     if req.stream:
         text, ids, logprobs = out.text_delta, out.new_token_ids, out.new_logprobs or []
@@ -40,12 +55,7 @@ def response(stream, out: RequestOutput, final: bool, prompt_text, token_text):
     tensors = [
         pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
         pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int64)),
-        pb_utils.Tensor("acceptance_rate", np.array(
-            [out.num_accepted_draft_tokens / out.num_draft_tokens if out.num_draft_tokens else 0.0],
-            dtype=np.float32)),
-        pb_utils.Tensor("total_accepted_draft_tokens",
-                        np.array([out.num_accepted_draft_tokens], dtype=np.int32)),
-        pb_utils.Tensor("total_draft_tokens", np.array([out.num_draft_tokens], dtype=np.int32)),
+        *(speculation or speculation_tensors(out)),
     ]
     if req.return_finish_reason:
         reason = out.finish_reason if final else "None"

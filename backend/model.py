@@ -42,7 +42,7 @@ from exspec.engine import LLMEngine
 from exspec_metrics import Metrics
 from exspec_request import ERROR_CODE_TAG_PARAMETER, FLAG_INPUTS, ParsedRequest, parse_request
 from exspec_responses import (FINAL, OUTPUTS, code_name, new_error, response, send_error,
-                              triton_error)
+                              speculation_tensors, triton_error)
 
 MODEL_JSON = "model.json"
 CANCEL_POLL_S = 0.1          # how often the send thread asks Triton about cancellations
@@ -412,8 +412,9 @@ class TritonPythonModel:
             stream.last_token_at = now
         if not out.finished:
             if stream.req.stream:
+                speculation = speculation_tensors(out)   # the step's, for each of its pieces
                 for piece in self._pieces(out):   # only outputs that committed tokens
-                    self._respond(stream, piece, final=False)
+                    self._respond(stream, piece, final=False, speculation=speculation)
             else:
                 self._collect(stream, out)
             return
@@ -435,9 +436,10 @@ class TritonPythonModel:
             return
         if stream.req.stream:
             pieces = self._pieces(out) or [out]
+            speculation = speculation_tensors(out)
             for piece in pieces[:-1]:
-                self._respond(stream, piece, final=False)
-            self._respond(stream, pieces[-1], final=True)
+                self._respond(stream, piece, final=False, speculation=speculation)
+            self._respond(stream, pieces[-1], final=True, speculation=speculation)
         else:
             self._collect(stream, out)
             self._respond(stream, out, final=True)
@@ -462,11 +464,11 @@ class TritonPythonModel:
         stream.logprobs += out.new_logprobs or []
         stream.cumulative_logprob += sum(lp.logprob for lp in out.new_logprobs or [])
 
-    def _respond(self, stream: Stream, out: RequestOutput, final: bool):
+    def _respond(self, stream: Stream, out: RequestOutput, final: bool, speculation=None):
         if stream.req.stream:   # cumulative up to this response's last token
             stream.cumulative_logprob += sum(lp.logprob for lp in out.new_logprobs or [])
         self._send(stream, response(stream, out, final, lambda: self._prompt_text(stream),
-                                    self.token_text), final)
+                                    self.token_text, speculation), final)
 
     def _prompt_text(self, stream: Stream) -> str:
         if stream.prompt_text is None:   # the prompt came as input_ids
