@@ -3,12 +3,23 @@ before the engine is ready.
 
 What is compiled: every forward of a step (the draft's first forward of 1-2 tokens per row, its
 later one-token forwards, its catch-up forward, and the verification of k + 1 tokens); a
-prefill stays eager (its widths are the prompts'). One compile per model with symbolic shapes
-(`dynamic=True`): batch, query width and cache width are symbols, so a step with more rows,
-another k or longer rows reuses the same graph. Torch still specialises a size of 1 (one row,
-one query token, one kept logit), so the warm-up runs each model at 1 and 2 rows through a
-fixed schedule of steps that meets every forward kind once: afterwards nothing recompiles
-(tests/engine/test_compiled.py counts it with Dynamo's own counters).
+prefill stays eager (its widths are the prompts').
+
+Regional compilation: what is compiled is the model's repeated decoder layer, not the whole
+model. One compiled function runs every layer: parameters are graph inputs (Dynamo inlines
+nn.Modules), and each layer gets a view of its own cache layer (kv.layer_cache) instead of the
+whole cache indexed by its `layer_idx`, so all layers of a model, however many, share one graph
+(the draft, of other shapes, gets its own). Embedding, mask building, final norm and lm_head
+stay eager: cheap ops, once per forward. This cuts the warm-up by the layer count (a whole-model
+compile traces and generates code for every layer), the point of the 60 s budget. A model
+without one ModuleList of identical decoder layers falls back to compiling the whole model
+(`CompiledForward.regional` says which; the engine logs it).
+
+Shapes are symbolic (`dynamic=True`): batch, query width and cache width are symbols, so a step
+with more rows, another k or longer rows reuses the same graph. Torch still specialises a size
+of 1 (one row, one query token), so the warm-up runs each model at 1 and 2 rows through a fixed
+schedule of steps that meets every forward kind once: 4 graphs per model, and afterwards nothing
+recompiles (tests/engine/test_compiled.py counts it with Dynamo's own counters).
 
 Nothing that varies per step reaches the graph as a Python int: the KV layouts hand the model
 device tensors (EXSPEC's block tables, slots and masks, kv_blocks.py; EQSPEC's 2D mask, or its
@@ -18,11 +29,13 @@ reaches it).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch._dynamo.utils
+from transformers.cache_utils import Cache
 
+from .kv import layer_cache
 from .params import SamplingParams
 
 # "inductor" generates C++ (CPU) or Triton (GPU) kernels. Dynamo's guards, hence recompiles and
@@ -31,21 +44,82 @@ COMPILE_BACKEND = "inductor"
 
 
 class CompiledForward:
-    """A model's forward through torch.compile with symbolic sizes (one graph for every batch,
-    query width and cache width, apart from torch's own specialisation of sizes 0 and 1)."""
+    """A model's decode forward through torch.compile: its decoder layers regionally (one
+    compiled function for all of them) when it has them, else the whole model."""
 
-    # Graphs per model: {1, more} rows x {1, more} query tokens; a target and a draft of one
-    # class share their forward's code object, whose cache torch caps at 8 entries by default
-    # (past that it silently runs eager), so the cap is raised to room for a few engines.
+    # Graphs per model: {1, more} rows x {1, more} query tokens. Compiled code is cached per
+    # code object and torch caps that cache at 8 entries by default (past that it silently runs
+    # eager); every model's layers share `_run_layer`'s, so the cap is raised to room for a few.
     RECOMPILE_LIMIT = 64
 
     def __init__(self, model):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    self.RECOMPILE_LIMIT)
-        self.compiled = torch.compile(model, dynamic=True, backend=COMPILE_BACKEND)
+        self.model = model
+        self.active = False   # True while this object runs a forward: the layers dispatch on it
+        layers = decoder_layers(model)
+        self.regional = layers is not None
+        if self.regional:
+            self.layer_class = type(layers[0]).__name__
+            self.compiled = torch.compile(_run_layer, dynamic=True, backend=COMPILE_BACKEND)
+            for index, layer in enumerate(layers):
+                layer.forward = _Region(self, layer, index)
+        else:
+            self.compiled = torch.compile(model, dynamic=True, backend=COMPILE_BACKEND)
+
+    def describe(self) -> str:
+        name = type(self.model).__name__
+        return (f"{name}: regional, one graph for its {self.layer_class} layers" if self.regional
+                else f"{name}: whole model (no repeated decoder layers found)")
 
     def __call__(self, **inputs):
-        return self.compiled(**inputs)
+        if not self.regional:
+            return self.compiled(**inputs)
+        self.active = True
+        try:
+            return self.model(**inputs)
+        finally:
+            self.active = False
+
+
+def decoder_layers(model) -> torch.nn.ModuleList | None:
+    """The model's repeated decoder layers: the ModuleList of its base model that holds
+    num_hidden_layers modules of one class (`model.model.layers`, GPT-2's `transformer.h`, ...),
+    or None."""
+    count = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+    for child in model.base_model.children():
+        if (isinstance(child, torch.nn.ModuleList) and len(child) == count
+                and len({type(layer) for layer in child}) == 1):
+            return child
+    return None
+
+
+def _run_layer(layer, *args, **kwargs):
+    """The compiled region: one decoder layer's own forward (its class's, not the `_Region`
+    put on the instance)."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+class _Region:
+    """A decoder layer's forward: eager unless its model runs a compiled decode forward; then
+    through the shared compiled function, with the cache argument replaced by the layer's own
+    cache layer."""
+
+    def __init__(self, owner: CompiledForward, layer, index: int):
+        self.owner = owner
+        self.eager = layer.forward
+        self.layer = layer
+        self.index = index
+
+    def __call__(self, *args, **kwargs):
+        if not self.owner.active:
+            return self.eager(*args, **kwargs)
+        args = [self._own(a) for a in args]
+        kwargs = {name: self._own(value) for name, value in kwargs.items()}
+        return self.owner.compiled(self.layer, *args, **kwargs)
+
+    def _own(self, value):
+        return layer_cache(value, self.index) if isinstance(value, Cache) else value
 
 
 def dynamo_counts() -> dict[str, int]:
@@ -60,6 +134,11 @@ class WarmUp:
     graphs: int
     graph_breaks: int
     seconds: float
+    compiled: list[str] = field(default_factory=list)   # per model, what was compiled (describe)
+
+    def describe(self) -> str:
+        return (f"{self.graphs} graphs, {self.graph_breaks} graph breaks, warm-up "
+                f"{self.seconds:.1f} s; " + "; ".join(self.compiled))
 
 
 def warm_up_schedule(k: int) -> list[int]:
@@ -84,4 +163,6 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int) -> WarmUp:
             group.realign()
     after = dynamo_counts()
     return WarmUp(after["graphs"] - before["graphs"], after["graph_breaks"] - before["graph_breaks"],
-                  time.perf_counter() - start)
+                  time.perf_counter() - start,
+                  [runner.decode_forwards[m].describe() for m in (runner.target, runner.draft)
+                   if m in runner.decode_forwards])

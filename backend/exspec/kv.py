@@ -45,6 +45,22 @@ def new_cache(model) -> DynamicCache:
     return cache
 
 
+class _LayerCache:
+    """One layer of a cache as an attention layer sees a cache: `update(keys, values, layer_idx,
+    ...)` writes to this layer whatever `layer_idx` says (the compiled path's regions,
+    compiled.py: a Python int that differs per layer must not select anything in their graph)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+
+def layer_cache(cache: DynamicCache, index: int) -> _LayerCache:
+    return _LayerCache(cache.layers[index])
+
+
 def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
     """[B, q, W] bool -> the [B, 1, q, W] additive mask HF attention takes (0 or dtype min:
     finite, so a query with nothing to see, a pad, gets a harmless average, not NaN)."""
