@@ -25,6 +25,20 @@ Nothing that varies per step reaches the graph as a Python int: the KV layouts h
 device tensors (EXSPEC's block tables, slots and masks, kv_blocks.py; EQSPEC's 2D mask, or its
 4D masks by layer type for sliding-window models, built outside the graph: a window never
 reaches it).
+
+CUDA graphs (CUDA and EXSPEC's static block store only; unverified until `make gpu-check` has
+run on a GPU): the same compile with mode "reduce-overhead", i.e. inductor's cudagraph trees,
+chosen over hand-made torch.cuda.CUDAGraph capture because they already copy inputs into static
+buffers, key graphs by shape and check input addresses; a hand-made capture would duplicate that
+and still need a graph per (rows, query width, cache bucket). The store's buffers are marked as
+static addresses (kv_blocks._buffer) so their in-place writes do not make it skip a graph. Each
+forward starts a new replay generation; what outlives it is cloned (the whole-model fallback's
+logits; regionally the lm_head is eager and its logits are new tensors anyway). Rows are not
+padded to buckets: a graph is captured per concrete shape, a capture costs no compile, and the
+rows are at most max_batch_size; shapes first met after the warm-up (other row counts, longer
+cache buckets) are captured at their first use. The warm-up runs its schedule twice (a
+cudagraph tree captures a graph at its second call) and the engine refuses to load if any graph
+was skipped or none captured (`cuda_graph_counts`).
 """
 from __future__ import annotations
 
@@ -52,31 +66,42 @@ class CompiledForward:
     # eager); every model's layers share `_run_layer`'s, so the cap is raised to room for a few.
     RECOMPILE_LIMIT = 64
 
-    def __init__(self, model):
+    def __init__(self, model, cuda_graphs: bool = False):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    self.RECOMPILE_LIMIT)
         self.model = model
+        self.cuda_graphs = cuda_graphs
         self.active = False   # True while this object runs a forward: the layers dispatch on it
+        # CUDA graphs: inductor's cudagraph trees (mode "reduce-overhead"), see cuda_graph_counts
+        options = {"mode": "reduce-overhead"} if cuda_graphs else {}
         layers = decoder_layers(model)
         self.regional = layers is not None
         if self.regional:
             self.layer_class = type(layers[0]).__name__
-            self.compiled = torch.compile(_run_layer, dynamic=True, backend=COMPILE_BACKEND)
+            self.compiled = torch.compile(_run_layer, dynamic=True, backend=COMPILE_BACKEND, **options)
             for index, layer in enumerate(layers):
                 layer.forward = _Region(self, layer, index)
         else:
-            self.compiled = torch.compile(model, dynamic=True, backend=COMPILE_BACKEND)
+            self.compiled = torch.compile(model, dynamic=True, backend=COMPILE_BACKEND, **options)
 
     def describe(self) -> str:
         name = type(self.model).__name__
-        return (f"{name}: regional, one graph for its {self.layer_class} layers" if self.regional
-                else f"{name}: whole model (no repeated decoder layers found)")
+        graphs = ", CUDA graphs" if self.cuda_graphs else ""
+        return (f"{name}: regional, one graph for its {self.layer_class} layers{graphs}" if self.regional
+                else f"{name}: whole model (no repeated decoder layers found){graphs}")
 
     def __call__(self, **inputs):
+        if self.cuda_graphs:
+            # a new replay generation: the previous forward's graph outputs may be overwritten,
+            # which is why nothing of theirs outlives a forward (the logits are cloned)
+            torch.compiler.cudagraph_mark_step_begin()
         if not self.regional:
-            return self.compiled(**inputs)
+            out = self.compiled(**inputs)
+            if self.cuda_graphs:
+                out.logits = out.logits.clone()
+            return out
         self.active = True
-        try:
+        try:   # the layers replay graphs; the lm_head after them is eager, its logits are new
             return self.model(**inputs)
         finally:
             self.active = False
@@ -122,6 +147,20 @@ class _Region:
         return layer_cache(value, self.index) if isinstance(value, Cache) else value
 
 
+def cuda_graph_counts() -> dict[str, int]:
+    """CUDA graphs recorded by cudagraph trees on the current device, and the compiled graphs
+    it skipped (it silently runs those without a graph, e.g. when an input is mutated)."""
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    from torch._inductor import cudagraph_trees
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    nodes, recorded = [] if manager is None else [n for roots in manager.roots.values() for n in roots], 0
+    while nodes:   # each node of the trees is one recorded graph
+        node = nodes.pop()
+        recorded += 1
+        nodes.extend(child for children in node.children.values() for child in children)
+    return {"recorded": recorded, "skips": skips}
+
+
 def dynamo_counts() -> dict[str, int]:
     """Graphs Dynamo compiled (a recompile adds one) and graph breaks, process-wide."""
     counters = torch._dynamo.utils.counters
@@ -135,9 +174,13 @@ class WarmUp:
     graph_breaks: int
     seconds: float
     compiled: list[str] = field(default_factory=list)   # per model, what was compiled (describe)
+    cuda_graphs: dict[str, int] | None = None            # cuda_graph_counts() after, if used
 
     def describe(self) -> str:
-        return (f"{self.graphs} graphs, {self.graph_breaks} graph breaks, warm-up "
+        captured = ("" if self.cuda_graphs is None else
+                    f", {self.cuda_graphs['recorded']} CUDA graphs captured "
+                    f"({self.cuda_graphs['skips']} skipped)")
+        return (f"{self.graphs} graphs, {self.graph_breaks} graph breaks{captured}, warm-up "
                 f"{self.seconds:.1f} s; " + "; ".join(self.compiled))
 
 
@@ -150,19 +193,27 @@ def warm_up_schedule(k: int) -> list[int]:
 
 def warm_up(runner, make_sequence, k: int, vocab_size: int) -> WarmUp:
     """Run every decode forward kind at 1 and 2 rows so that all compiling happens now.
-    `make_sequence(request_id, prompt_ids, params)` builds an engine Sequence."""
+    `make_sequence(request_id, prompt_ids, params)` builds an engine Sequence. With CUDA graphs
+    the schedule runs twice: cudagraph trees run a graph's first call without capturing it."""
+    forwards = [runner.decode_forwards[m] for m in (runner.target, runner.draft)
+                if m in runner.decode_forwards]
+    cuda_graphs = any(f.cuda_graphs for f in forwards)
+    rounds = 2 if cuda_graphs else 1
     before, start = dynamo_counts(), time.perf_counter()
-    params = SamplingParams(max_tokens=8 * (k + 1), ignore_eos=True)   # never finishes here
+    skips_before = cuda_graph_counts()["skips"] if cuda_graphs else 0
+    params = SamplingParams(max_tokens=8 * (k + 1) * rounds, ignore_eos=True)   # never finishes here
     for batch in (1, 2):
         prompts = [[(7 * i + 3 * j + 1) % vocab_size for j in range(5 + 3 * i)] for i in range(batch)]
         group = runner.new_group([make_sequence(f"warm-up-{batch}-{i}", p, params)
                                   for i, p in enumerate(prompts)])
         runner.prefill(group, [len(p) for p in prompts])
-        for step_k in warm_up_schedule(k if runner.draft is not None else 0):
+        for step_k in warm_up_schedule(k if runner.draft is not None else 0) * rounds:
             runner.step(group, step_k)
             group.realign()
     after = dynamo_counts()
+    captured = None
+    if cuda_graphs:
+        captured = cuda_graph_counts()
+        captured["skips"] -= skips_before
     return WarmUp(after["graphs"] - before["graphs"], after["graph_breaks"] - before["graph_breaks"],
-                  time.perf_counter() - start,
-                  [runner.decode_forwards[m].describe() for m in (runner.target, runner.draft)
-                   if m in runner.decode_forwards])
+                  time.perf_counter() - start, [f.describe() for f in forwards], captured)
