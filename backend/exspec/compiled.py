@@ -7,7 +7,7 @@ prefill stays eager (its widths are the prompts').
 
 Regional compilation: what is compiled is the model's repeated decoder layer, not the whole
 model. One compiled function runs every layer: parameters are graph inputs (Dynamo inlines
-nn.Modules), and each layer gets a view of its own cache layer (kv.layer_cache) instead of the
+nn.Modules), and each layer gets a view of its own cache layer (kv.LayerCache) instead of the
 whole cache indexed by its `layer_idx`, so all layers of a model, however many, share one graph
 (the draft, of other shapes, gets its own). Embedding, mask building, final norm and lm_head
 stay eager: cheap ops, once per forward. This cuts the warm-up by the layer count (a whole-model
@@ -49,7 +49,7 @@ import torch
 import torch._dynamo.utils
 from transformers.cache_utils import Cache
 
-from .kv import layer_cache
+from .kv import LayerCache
 from .params import SamplingParams
 
 # "inductor" generates C++ (CPU) or Triton (GPU) kernels. Dynamo's guards, hence recompiles and
@@ -75,7 +75,12 @@ class CompiledForward:
         # CUDA graphs: inductor's cudagraph trees (mode "reduce-overhead"), see cuda_graph_counts
         options = {"mode": "reduce-overhead"} if cuda_graphs else {}
         layers = decoder_layers(model)
-        self.regional = layers is not None
+        # a layer whose forward another hook wraps (accelerate's, under device_map) would lose
+        # it in the region, which calls the class's forward
+        hooked = layers is not None and any(_hooked(layer) for layer in layers)
+        self.regional = layers is not None and not hooked
+        self.why_whole = ("its layers' forwards are wrapped by a hook" if hooked
+                          else "no repeated decoder layers found")
         if self.regional:
             self.layer_class = type(layers[0]).__name__
             self.compiled = torch.compile(_run_layer, dynamic=True, backend=COMPILE_BACKEND, **options)
@@ -88,7 +93,7 @@ class CompiledForward:
         name = type(self.model).__name__
         graphs = ", CUDA graphs" if self.cuda_graphs else ""
         return (f"{name}: regional, one graph for its {self.layer_class} layers{graphs}" if self.regional
-                else f"{name}: whole model (no repeated decoder layers found){graphs}")
+                else f"{name}: whole model ({self.why_whole}){graphs}")
 
     def __call__(self, **inputs):
         if self.cuda_graphs:
@@ -119,6 +124,11 @@ def decoder_layers(model) -> torch.nn.ModuleList | None:
     return None
 
 
+def _hooked(layer) -> bool:
+    forward = vars(layer).get("forward")
+    return forward is not None and not isinstance(forward, _Region)
+
+
 def _run_layer(layer, *args, **kwargs):
     """The compiled region: one decoder layer's own forward (its class's, not the `_Region`
     put on the instance)."""
@@ -144,7 +154,7 @@ class _Region:
         return self.owner.compiled(self.layer, *args, **kwargs)
 
     def _own(self, value):
-        return layer_cache(value, self.index) if isinstance(value, Cache) else value
+        return LayerCache(value, self.index) if isinstance(value, Cache) else value
 
 
 def cuda_graph_counts() -> dict[str, int]:

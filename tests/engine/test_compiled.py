@@ -10,9 +10,12 @@ import random
 import pytest
 import torch
 
-from exspec import SamplingParams, compiled
+from exspec import EngineConfig, LLMEngine, SamplingParams, compiled
+from exspec.demo.tiny import build_tokenizer
+from exspec.models import ModelPair
 
 from conftest import _load, make_engine, make_prompts, run_schedule
+from tiny_archs import build, greedy_reference
 
 MIN_GAP = 1e-4   # below it a reference token is a float tie, and a flip would be no bug
 
@@ -127,7 +130,7 @@ def test_layers_sharing_one_cache_layer_fail_equivalence(pairs, reference, monke
     """Negative control inside the compiled regions: every layer handed layer 0's cache must be
     caught (and so the regions, not the eager layers, ran the decode forwards)."""
     monkeypatch.setattr(compiled._Region, "_own",
-                        lambda self, value: compiled.layer_cache(value, 0)
+                        lambda self, value: compiled.LayerCache(value, 0)
                         if isinstance(value, compiled.Cache) else value)
     prompts = [p for p in make_prompts(320, pairs["llama", "eos"], seed=31, count=6) if len(p) > 1]
     outs = compiled_outputs(pairs, "llama", 3, 3, "exspec", prompts, 16)
@@ -146,3 +149,21 @@ def test_whole_model_fallback_matches_target_greedy(pairs, reference, monkeypatc
     outs = engine.generate(prompts, SamplingParams(max_tokens=16))
     for i, (out, p) in enumerate(zip(outs, prompts)):
         assert out.token_ids == reference(pairs["gpt2", "target"], p, 16), f"row {i}"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "phi3"])
+def test_compiled_path_on_other_architectures(model_type):
+    """Other layer codes (q/k norms, sliding and full layers of one class, fused qkv) compile
+    regionally, recompile nothing after the warm-up and stay exact."""
+    target, draft = build(model_type)
+    engine = LLMEngine(EngineConfig(target_model=model_type, draft_model=model_type,
+                                    method="exspec", num_speculative_tokens=3, max_batch_size=4,
+                                    adaptive_k=False, enforce_eager=False),
+                       pair=ModelPair(build_tokenizer(), target, draft, set(), 256))
+    assert all(f.regional for f in engine.runner.decode_forwards.values()), engine.warm_up.compiled
+    before = compiled.dynamo_counts()
+    prompts = [[5, 9, 17, 33, 2], [40], [7, 8, 9, 10, 11, 12, 13, 14, 15], [100, 3]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8))
+    for i, (out, p) in enumerate(zip(outs, prompts)):
+        assert out.token_ids == greedy_reference(target, p, 8), f"{model_type} row {i}"
+    assert compiled.dynamo_counts() == before, f"{model_type}: recompiled after the warm-up"
