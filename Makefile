@@ -46,8 +46,9 @@ bench: venv
 	$(BIN)/exspec-bench --out bench_out
 
 # On a CUDA machine (<= 8 minutes): every test marked gpu (engine equivalence on cuda, the
-# compiled path in bf16 under each SDPA backend and under sync debug mode, KIND_GPU placement and
-# parity through tritonserver), then a short GPU benchmark of both decode paths (per-step
+# compiled path in bf16 under each SDPA backend and under sync debug mode, its CUDA graphs
+# captured in the warm-up with none skipped, capture and replay under sync debug mode "error",
+# KIND_GPU placement and parity through tritonserver), then a short GPU benchmark of both decode paths (per-step
 # latency eager vs compiled). Without a CUDA device it fails: a GPU check that ran nothing has
 # not passed.
 gpu-check: venv

@@ -174,8 +174,7 @@ class TritonPythonModel:
         self._send_thread.start()
         threading.Thread(target=self._guard_orphan, name="exspec-orphan-guard", daemon=True).start()
         warm = self.engine.warm_up
-        path = ("eager" if warm is None else f"compiled ({warm.graphs} graphs, "
-                f"{warm.graph_breaks} graph breaks, warm-up {warm.seconds:.1f} s)")
+        path = "eager" if warm is None else f"compiled ({warm.describe()})"
         pb_utils.Logger.log_info(f"exspec: model {self.model_name} ready on {engine_config.device}, "
                                  f"{self.engine.threads.describe()}, decode path {path}")
 

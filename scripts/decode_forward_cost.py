@@ -3,6 +3,8 @@ the cost exspec-bench's per-forward table measures, without building a pair and 
 (one graph to compile instead of a whole warm-up). Interleaved, median of --repeats.
 
     python scripts/decode_forward_cost.py --layers 36 --hidden 64 --batch 1 --backend inductor
+    python scripts/decode_forward_cost.py --layers 36 --hidden 64 --batch 1 --whole-model
+(regional compilation by default: one compiled decoder layer; --whole-model: the whole model)
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--whole-model", action="store_true", help="compile the whole model, not its layers")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = llama(320, 0, layers=args.layers, hidden=args.hidden, max_positions=1024).eval()
@@ -43,6 +46,8 @@ def main() -> None:
         kv.appended(None, [n] * b)
         ids, pos = torch.ones(b, 1, dtype=torch.long), torch.full((b, 1), n)
         compiled.COMPILE_BACKEND = args.backend
+        if args.whole_model:
+            compiled.decoder_layers = lambda model: None
         paths = {"eager": model, f"compiled ({args.backend})": compiled.CompiledForward(model)}
         start = time.perf_counter()
         forward(paths[f"compiled ({args.backend})"], ids, pos)

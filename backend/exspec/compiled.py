@@ -3,26 +3,53 @@ before the engine is ready.
 
 What is compiled: every forward of a step (the draft's first forward of 1-2 tokens per row, its
 later one-token forwards, its catch-up forward, and the verification of k + 1 tokens); a
-prefill stays eager (its widths are the prompts'). One compile per model with symbolic shapes
-(`dynamic=True`): batch, query width and cache width are symbols, so a step with more rows,
-another k or longer rows reuses the same graph. Torch still specialises a size of 1 (one row,
-one query token, one kept logit), so the warm-up runs each model at 1 and 2 rows through a
-fixed schedule of steps that meets every forward kind once: afterwards nothing recompiles
-(tests/engine/test_compiled.py counts it with Dynamo's own counters).
+prefill stays eager (its widths are the prompts').
+
+Regional compilation: what is compiled is the model's repeated decoder layer, not the whole
+model. One compiled function runs every layer: parameters are graph inputs (Dynamo inlines
+nn.Modules), and each layer gets a view of its own cache layer (kv.LayerCache) instead of the
+whole cache indexed by its `layer_idx`, so all layers of a model, however many, share one graph
+(the draft, of other shapes, gets its own). Embedding, mask building, final norm and lm_head
+stay eager: cheap ops, once per forward. This cuts the warm-up by the layer count (a whole-model
+compile traces and generates code for every layer), the point of the 60 s budget. A model
+without one ModuleList of identical decoder layers falls back to compiling the whole model
+(`CompiledForward.regional` says which; the engine logs it).
+
+Shapes are symbolic (`dynamic=True`): batch, query width and cache width are symbols, so a step
+with more rows, another k or longer rows reuses the same graph. Torch still specialises a size
+of 1 (one row, one query token), so the warm-up runs each model at 1 and 2 rows through a fixed
+schedule of steps that meets every forward kind once: 4 graphs per model, and afterwards nothing
+recompiles (tests/engine/test_compiled.py counts it with Dynamo's own counters).
 
 Nothing that varies per step reaches the graph as a Python int: the KV layouts hand the model
 device tensors (EXSPEC's block tables, slots and masks, kv_blocks.py; EQSPEC's 2D mask, or its
 4D masks by layer type for sliding-window models, built outside the graph: a window never
 reaches it).
+
+CUDA graphs (CUDA and EXSPEC's static block store only; unverified until `make gpu-check` has
+run on a GPU): the same compile with mode "reduce-overhead", i.e. inductor's cudagraph trees,
+chosen over hand-made torch.cuda.CUDAGraph capture because they already copy inputs into static
+buffers, key graphs by shape and check input addresses; a hand-made capture would duplicate that
+and still need a graph per (rows, query width, cache bucket). The store's buffers are marked as
+static addresses (kv_blocks._buffer) so their in-place writes do not make it skip a graph. Each
+forward starts a new replay generation; what outlives it is cloned (the whole-model fallback's
+logits; regionally the lm_head is eager and its logits are new tensors anyway). Rows are not
+padded to buckets: a graph is captured per concrete shape, a capture costs no compile, and the
+rows are at most max_batch_size; shapes first met after the warm-up (other row counts, longer
+cache buckets) are captured at their first use. The warm-up runs its schedule twice (a
+cudagraph tree captures a graph at its second call) and the engine refuses to load if any graph
+was skipped or none captured (`cuda_graph_counts`).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch._dynamo.utils
+from transformers.cache_utils import Cache
 
+from .kv import LayerCache
 from .params import SamplingParams
 
 # "inductor" generates C++ (CPU) or Triton (GPU) kernels. Dynamo's guards, hence recompiles and
@@ -31,21 +58,117 @@ COMPILE_BACKEND = "inductor"
 
 
 class CompiledForward:
-    """A model's forward through torch.compile with symbolic sizes (one graph for every batch,
-    query width and cache width, apart from torch's own specialisation of sizes 0 and 1)."""
+    """A model's decode forward through torch.compile: its decoder layers regionally (one
+    compiled function for all of them) when it has them, else the whole model."""
 
-    # Graphs per model: {1, more} rows x {1, more} query tokens; a target and a draft of one
-    # class share their forward's code object, whose cache torch caps at 8 entries by default
-    # (past that it silently runs eager), so the cap is raised to room for a few engines.
+    # Graphs per model: {1, more} rows x {1, more} query tokens. Compiled code is cached per
+    # code object and torch caps that cache at 8 entries by default (past that it silently runs
+    # eager); every model's layers share `_run_layer`'s, so the cap is raised to room for a few.
     RECOMPILE_LIMIT = 64
 
-    def __init__(self, model):
+    def __init__(self, model, cuda_graphs: bool = False):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    self.RECOMPILE_LIMIT)
-        self.compiled = torch.compile(model, dynamic=True, backend=COMPILE_BACKEND)
+        self.model = model
+        self.cuda_graphs = cuda_graphs
+        self.active = False   # True while this object runs a forward: the layers dispatch on it
+        # CUDA graphs: inductor's cudagraph trees (mode "reduce-overhead"), see cuda_graph_counts
+        options = {"mode": "reduce-overhead"} if cuda_graphs else {}
+        layers = decoder_layers(model)
+        # a layer whose forward another hook wraps (accelerate's, under device_map) would lose
+        # it in the region, which calls the class's forward
+        hooked = layers is not None and any(_hooked(layer) for layer in layers)
+        self.regional = layers is not None and not hooked
+        self.why_whole = ("its layers' forwards are wrapped by a hook" if hooked
+                          else "no repeated decoder layers found")
+        if self.regional:
+            self.layer_class = type(layers[0]).__name__
+            self.compiled = torch.compile(_run_layer, dynamic=True, backend=COMPILE_BACKEND, **options)
+            for index, layer in enumerate(layers):
+                layer.forward = _Region(self, layer, index)
+        else:
+            self.compiled = torch.compile(model, dynamic=True, backend=COMPILE_BACKEND, **options)
+
+    def describe(self) -> str:
+        name = type(self.model).__name__
+        graphs = ", CUDA graphs" if self.cuda_graphs else ""
+        return (f"{name}: regional, one graph for its {self.layer_class} layers{graphs}" if self.regional
+                else f"{name}: whole model ({self.why_whole}){graphs}")
 
     def __call__(self, **inputs):
-        return self.compiled(**inputs)
+        if self.cuda_graphs:
+            # a new replay generation: the previous forward's graph outputs may be overwritten,
+            # which is why nothing of theirs outlives a forward (the logits are cloned)
+            torch.compiler.cudagraph_mark_step_begin()
+        if not self.regional:
+            out = self.compiled(**inputs)
+            if self.cuda_graphs:
+                out.logits = out.logits.clone()
+            return out
+        self.active = True
+        try:   # the layers replay graphs; the lm_head after them is eager, its logits are new
+            return self.model(**inputs)
+        finally:
+            self.active = False
+
+
+def decoder_layers(model) -> torch.nn.ModuleList | None:
+    """The model's repeated decoder layers: the ModuleList of its base model that holds
+    num_hidden_layers modules of one class (`model.model.layers`, GPT-2's `transformer.h`, ...),
+    or None."""
+    count = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+    for child in model.base_model.children():
+        if (isinstance(child, torch.nn.ModuleList) and len(child) == count
+                and len({type(layer) for layer in child}) == 1):
+            return child
+    return None
+
+
+def _hooked(layer) -> bool:
+    forward = vars(layer).get("forward")
+    return forward is not None and not isinstance(forward, _Region)
+
+
+def _run_layer(layer, *args, **kwargs):
+    """The compiled region: one decoder layer's own forward (its class's, not the `_Region`
+    put on the instance)."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+class _Region:
+    """A decoder layer's forward: eager unless its model runs a compiled decode forward; then
+    through the shared compiled function, with the cache argument replaced by the layer's own
+    cache layer."""
+
+    def __init__(self, owner: CompiledForward, layer, index: int):
+        self.owner = owner
+        self.eager = layer.forward
+        self.layer = layer
+        self.index = index
+
+    def __call__(self, *args, **kwargs):
+        if not self.owner.active:
+            return self.eager(*args, **kwargs)
+        args = [self._own(a) for a in args]
+        kwargs = {name: self._own(value) for name, value in kwargs.items()}
+        return self.owner.compiled(self.layer, *args, **kwargs)
+
+    def _own(self, value):
+        return LayerCache(value, self.index) if isinstance(value, Cache) else value
+
+
+def cuda_graph_counts() -> dict[str, int]:
+    """CUDA graphs recorded by cudagraph trees on the current device, and the compiled graphs
+    it skipped (it silently runs those without a graph, e.g. when an input is mutated)."""
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    from torch._inductor import cudagraph_trees
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    nodes, recorded = [] if manager is None else [n for roots in manager.roots.values() for n in roots], 0
+    while nodes:   # each node of the trees is one recorded graph
+        node = nodes.pop()
+        recorded += 1
+        nodes.extend(child for children in node.children.values() for child in children)
+    return {"recorded": recorded, "skips": skips}
 
 
 def dynamo_counts() -> dict[str, int]:
@@ -60,6 +183,15 @@ class WarmUp:
     graphs: int
     graph_breaks: int
     seconds: float
+    compiled: list[str] = field(default_factory=list)   # per model, what was compiled (describe)
+    cuda_graphs: dict[str, int] | None = None            # cuda_graph_counts() after, if used
+
+    def describe(self) -> str:
+        captured = ("" if self.cuda_graphs is None else
+                    f", {self.cuda_graphs['recorded']} CUDA graphs captured "
+                    f"({self.cuda_graphs['skips']} skipped)")
+        return (f"{self.graphs} graphs, {self.graph_breaks} graph breaks{captured}, warm-up "
+                f"{self.seconds:.1f} s; " + "; ".join(self.compiled))
 
 
 def warm_up_schedule(k: int) -> list[int]:
@@ -71,17 +203,27 @@ def warm_up_schedule(k: int) -> list[int]:
 
 def warm_up(runner, make_sequence, k: int, vocab_size: int) -> WarmUp:
     """Run every decode forward kind at 1 and 2 rows so that all compiling happens now.
-    `make_sequence(request_id, prompt_ids, params)` builds an engine Sequence."""
+    `make_sequence(request_id, prompt_ids, params)` builds an engine Sequence. With CUDA graphs
+    the schedule runs twice: cudagraph trees run a graph's first call without capturing it."""
+    forwards = [runner.decode_forwards[m] for m in (runner.target, runner.draft)
+                if m in runner.decode_forwards]
+    cuda_graphs = any(f.cuda_graphs for f in forwards)
+    rounds = 2 if cuda_graphs else 1
     before, start = dynamo_counts(), time.perf_counter()
-    params = SamplingParams(max_tokens=8 * (k + 1), ignore_eos=True)   # never finishes here
+    skips_before = cuda_graph_counts()["skips"] if cuda_graphs else 0
+    params = SamplingParams(max_tokens=8 * (k + 1) * rounds, ignore_eos=True)   # never finishes here
     for batch in (1, 2):
         prompts = [[(7 * i + 3 * j + 1) % vocab_size for j in range(5 + 3 * i)] for i in range(batch)]
         group = runner.new_group([make_sequence(f"warm-up-{batch}-{i}", p, params)
                                   for i, p in enumerate(prompts)])
         runner.prefill(group, [len(p) for p in prompts])
-        for step_k in warm_up_schedule(k if runner.draft is not None else 0):
+        for step_k in warm_up_schedule(k if runner.draft is not None else 0) * rounds:
             runner.step(group, step_k)
             group.realign()
     after = dynamo_counts()
+    captured = None
+    if cuda_graphs:
+        captured = cuda_graph_counts()
+        captured["skips"] -= skips_before
     return WarmUp(after["graphs"] - before["graphs"], after["graph_breaks"] - before["graph_breaks"],
-                  time.perf_counter() - start)
+                  time.perf_counter() - start, [f.describe() for f in forwards], captured)

@@ -20,8 +20,9 @@ from . import compiled
 from .architecture import check_servable, kv_layout
 from .config import EngineConfig
 from .detokenizer import Detokenizer
-from .errors import EngineBusyError, InvalidRequestError
+from .errors import EngineBusyError, InvalidRequestError, ModelLoadError
 from .faults import Faults
+from .kv_blocks import BlockStores
 from .models import ModelPair, load_pair, model_devices
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
@@ -111,10 +112,16 @@ class LLMEngine:
 
     def _compile_decode_path(self) -> None:
         """Compile the step's forwards and run each kind once, so that READY means warm."""
+        # CUDA graphs need static storage: EXSPEC's block store (EQSPEC's realigned caches
+        # change width every step, which would capture a graph per step)
+        cuda_graphs = (torch.device(self.config.device).type == "cuda"
+                       and isinstance(self.runner.kv_layout, BlockStores))
+        forwards = {}
         for model in (m for m in (self.target, self.draft) if m is not None):
-            if model not in self.pair.decode_forwards:
-                self.pair.decode_forwards[model] = compiled.CompiledForward(model)
-        self.runner.decode_forwards = self.pair.decode_forwards
+            if (model, cuda_graphs) not in self.pair.decode_forwards:
+                self.pair.decode_forwards[model, cuda_graphs] = compiled.CompiledForward(model, cuda_graphs)
+            forwards[model] = self.pair.decode_forwards[model, cuda_graphs]
+        self.runner.decode_forwards = forwards
         stats, self.runner.stats = self.runner.stats, Stats(model_devices(self.target, self.draft))
         try:
             self.warm_up = compiled.warm_up(
@@ -122,6 +129,10 @@ class LLMEngine:
                 self.target.get_output_embeddings().weight.shape[0])
         finally:
             self.runner.stats = stats
+        captured = self.warm_up.cuda_graphs
+        if captured is not None and (captured["skips"] or not captured["recorded"]):
+            raise ModelLoadError(f"CUDA graph capture did not happen on the compiled path "
+                                 f"({self.warm_up.describe()}); set enforce_eager to serve eagerly")
 
     # -- intake (thread-safe) ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],

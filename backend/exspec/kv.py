@@ -45,6 +45,24 @@ def new_cache(model) -> DynamicCache:
     return cache
 
 
+class LayerCache:
+    """One layer of a cache as an attention layer sees a cache: `update(keys, values, layer_idx,
+    ...)` writes to this layer whatever `layer_idx` says (the compiled path's regions,
+    compiled.py: a Python int that differs per layer must not select anything in their graph).
+    Anything else a layer asks (get_seq_length, ...) is the whole cache's answer: every layer of
+    both layouts holds the same columns."""
+
+    def __init__(self, cache: DynamicCache, index: int):
+        self.cache = cache
+        self.layer = cache.layers[index]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
 def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
     """[B, q, W] bool -> the [B, 1, q, W] additive mask HF attention takes (0 or dtype min:
     finite, so a query with nothing to see, a pad, gets a harmless average, not NaN)."""

@@ -70,6 +70,15 @@ def _rows_of(buffer: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
     return picked.transpose(1, 2).contiguous()
 
 
+def _buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """A store buffer. On CUDA its address is marked static: the compiled path's CUDA graphs
+    (cudagraph trees) write into it in place, and they skip a graph whose mutated input is not
+    static. (A store that grows gets new buffers: its graphs are captured again.)"""
+    if tensor.is_cuda:
+        torch._dynamo.mark_static_address(tensor)
+    return tensor
+
+
 class _BlockLayer(DynamicLayer):
     """One layer's slice of the store, as a transformers cache layer: `update` writes the new
     entries at their slots and returns every row's gathered entries."""
@@ -82,8 +91,8 @@ class _BlockLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:   # shapes come from the first write (eager, before compiling)
             self.device = key_states.device
-            self.keys = key_states.new_zeros((self.capacity,) + key_states.shape[1:2] + key_states.shape[3:])
-            self.values = value_states.new_zeros((self.capacity,) + value_states.shape[1:2] + value_states.shape[3:])
+            self.keys = _buffer(key_states.new_zeros((self.capacity,) + key_states.shape[1:2] + key_states.shape[3:]))
+            self.values = _buffer(value_states.new_zeros((self.capacity,) + value_states.shape[1:2] + value_states.shape[3:]))
             self.is_initialized = True
         slots, gather = self.forward.on(self.keys.device)
         heads = key_states.shape[1]
@@ -98,8 +107,8 @@ class _BlockLayer(DynamicLayer):
     def grow(self, slots: int) -> None:
         extra, self.capacity = slots - self.capacity, slots
         if self.is_initialized:
-            self.keys = torch.cat([self.keys, self.keys.new_zeros((extra,) + self.keys.shape[1:])])
-            self.values = torch.cat([self.values, self.values.new_zeros((extra,) + self.values.shape[1:])])
+            self.keys = _buffer(torch.cat([self.keys, self.keys.new_zeros((extra,) + self.keys.shape[1:])]))
+            self.values = _buffer(torch.cat([self.values, self.values.new_zeros((extra,) + self.values.shape[1:])]))
 
 
 class KVStore:

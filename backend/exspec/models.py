@@ -20,8 +20,8 @@ class ModelPair:
     draft: torch.nn.Module | None
     eos_ids: set[int]
     max_model_len: int
-    # model -> its compiled decode forward (compiled.py), made once and shared by every engine
-    # on this pair (the benchmark builds several)
+    # (model, CUDA graphs or not) -> its compiled decode forward (compiled.py), made once and
+    # shared by every engine on this pair (the benchmark builds several)
     decode_forwards: dict = field(default_factory=dict)
 
 

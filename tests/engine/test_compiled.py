@@ -10,9 +10,12 @@ import random
 import pytest
 import torch
 
-from exspec import SamplingParams, compiled
+from exspec import EngineConfig, LLMEngine, SamplingParams, compiled
+from exspec.demo.tiny import build_tokenizer
+from exspec.models import ModelPair
 
 from conftest import _load, make_engine, make_prompts, run_schedule
+from tiny_archs import build, greedy_reference
 
 MIN_GAP = 1e-4   # below it a reference token is a float tie, and a flip would be no bug
 
@@ -108,3 +111,59 @@ def test_no_recompile_or_graph_break_after_warm_up(pairs, method):
     assert len(ks) >= 2, f"k never changed ({ks}): the run does not exercise it"
     assert compiled.dynamo_counts() == before, (
         f"after warm-up: {before} -> {compiled.dynamo_counts()} (graphs = compiles)")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_decoder_layers_share_one_compiled_region(pairs, arch):
+    """Regional compilation: every decoder layer of a model runs the one compiled function, so a
+    3-layer draft of other shapes adds the same 4 graphs ({1, more} rows x {1, more} query
+    tokens) as the 2-layer target; a graph per layer (a layer index reaching the graph) would
+    make it 4 + 12."""
+    engine = make_engine(pairs, arch, "othershape", method="exspec", max_batch_size=2,
+                         num_speculative_tokens=2, enforce_eager=False)
+    forwards = [engine.runner.decode_forwards[m] for m in (engine.target, engine.draft)]
+    assert all(f.regional for f in forwards), engine.warm_up.compiled
+    assert engine.warm_up.graphs <= 8, f"{engine.warm_up.graphs} graphs: layers did not share one"
+
+
+def test_layers_sharing_one_cache_layer_fail_equivalence(pairs, reference, monkeypatch):
+    """Negative control inside the compiled regions: every layer handed layer 0's cache must be
+    caught (and so the regions, not the eager layers, ran the decode forwards)."""
+    monkeypatch.setattr(compiled._Region, "_own",
+                        lambda self, value: compiled.LayerCache(value, 0)
+                        if isinstance(value, compiled.Cache) else value)
+    prompts = [p for p in make_prompts(320, pairs["llama", "eos"], seed=31, count=6) if len(p) > 1]
+    outs = compiled_outputs(pairs, "llama", 3, 3, "exspec", prompts, 16)
+    assert any(out.token_ids != reference(pairs["llama", "target"], p, 16)
+               for out, p in zip(outs, prompts)), "layers sharing a cache layer went unnoticed"
+
+
+def test_whole_model_fallback_matches_target_greedy(pairs, reference, monkeypatch):
+    """A model in which no repeated decoder layers are found compiles whole, and stays exact."""
+    monkeypatch.setattr(compiled, "decoder_layers", lambda model: None)
+    prompts = [p for p in make_prompts(320, pairs["gpt2", "eos"], seed=31, count=6) if len(p) > 1]
+    engine = make_engine(pairs, "gpt2", "noisy", method="eqspec", max_batch_size=3,
+                         num_speculative_tokens=3, enforce_eager=False)
+    assert not engine.runner.decode_forwards[engine.target].regional, engine.warm_up.compiled
+    assert "whole model" in engine.warm_up.describe()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=16))
+    for i, (out, p) in enumerate(zip(outs, prompts)):
+        assert out.token_ids == reference(pairs["gpt2", "target"], p, 16), f"row {i}"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "phi3"])
+def test_compiled_path_on_other_architectures(model_type):
+    """Other layer codes (q/k norms, sliding and full layers of one class, fused qkv) compile
+    regionally, recompile nothing after the warm-up and stay exact."""
+    target, draft = build(model_type)
+    engine = LLMEngine(EngineConfig(target_model=model_type, draft_model=model_type,
+                                    method="exspec", num_speculative_tokens=3, max_batch_size=4,
+                                    adaptive_k=False, enforce_eager=False),
+                       pair=ModelPair(build_tokenizer(), target, draft, set(), 256))
+    assert all(f.regional for f in engine.runner.decode_forwards.values()), engine.warm_up.compiled
+    before = compiled.dynamo_counts()
+    prompts = [[5, 9, 17, 33, 2], [40], [7, 8, 9, 10, 11, 12, 13, 14, 15], [100, 3]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8))
+    for i, (out, p) in enumerate(zip(outs, prompts)):
+        assert out.token_ids == greedy_reference(target, p, 8), f"{model_type} row {i}"
+    assert compiled.dynamo_counts() == before, f"{model_type}: recompiled after the warm-up"

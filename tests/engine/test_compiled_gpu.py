@@ -91,3 +91,39 @@ def test_compiled_decode_steps_do_not_sync(qwen3_pair, method):
     runner._forward = forward_under_sync_check
     runner.step(group, 3)
     assert calls, "no forward ran"
+
+
+def test_warm_up_captures_cuda_graphs(qwen3_pair):
+    """EXSPEC's compiled path on CUDA captures graphs before READY and skips none (cudagraph
+    trees skip a graph silently, e.g. on a mutated non-static input; the engine refuses to load
+    then, and this test says which)."""
+    eng = engine(qwen3_pair, "exspec")
+    captured = eng.warm_up.cuda_graphs
+    print(f"warm-up: {eng.warm_up.describe()}")
+    assert captured is not None and captured["recorded"] > 0 and captured["skips"] == 0, captured
+    assert all(f.cuda_graphs for f in eng.runner.decode_forwards.values())
+
+
+def test_cuda_graph_capture_and_replay_do_not_sync(qwen3_pair, monkeypatch):
+    """Capture and replay under sync debug mode "error": the warmed engine's graphs are dropped
+    (its compiled code stays, so nothing compiles here) and recaptured during decode steps, with
+    every compiled forward run under "error". The step's own device-to-host copy (accepted
+    counts and tokens) is outside the compiled forwards, under "warn"-free default mode."""
+    from torch._inductor import cudagraph_trees
+    from exspec import compiled
+
+    eng = engine(qwen3_pair, "exspec")
+    cudagraph_trees.reset_cudagraph_trees()
+    call = compiled.CompiledForward.__call__
+
+    def under_sync_error(self, **inputs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return call(self, **inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.setattr(compiled.CompiledForward, "__call__", under_sync_error)
+    prompts = [p for p in make_prompts(320, None, seed=9, count=3) if len(p) > 1]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    assert compiled.cuda_graph_counts()["recorded"] > 0, "nothing was captured again"
