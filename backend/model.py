@@ -411,8 +411,9 @@ class TritonPythonModel:
             stream.last_token_at = now
         if not out.finished:
             if stream.req.stream:
-                speculation = speculation_tensors(out)   # the step's, for each of its pieces
-                for piece in self._pieces(out):   # only outputs that committed tokens
+                pieces = self._pieces(out)   # none for an output that committed no token
+                speculation = speculation_tensors(out) if pieces else None   # the step's, shared
+                for piece in pieces:
                     self._respond(stream, piece, final=False, speculation=speculation)
             else:
                 self._collect(stream, out)

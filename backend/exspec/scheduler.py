@@ -33,15 +33,17 @@ class AdaptiveK:
     4.7 committed) steers k too low. Every depth's counts decay with each row-step, and each
     h_j is shrunk toward h_(j-1) (h_1 toward 1 - acceptance) by PRIOR_ROWS pseudo row-steps:
     a depth no step has verified lately (the drafts beyond the current k, whose counts fade
-    faster) is extrapolated from the deepest measured one instead of holding on to stale counts, which otherwise kept k
-    stuck below its best after an early stretch of low acceptance. With no counts at all this
-    is the geometric model at the group's acceptance, estimated per sequence (and pool-wide,
-    as the prior for new sequences) as accepted / (accepted + rejections) over recent steps.
-    Step cost is an exponential moving average of measured step times per (batch-size bucket, k); a bucket not yet measured
-    at some k borrows the nearest measured bucket's cost at that k (scaled by their plain-step
-    costs), a k measured nowhere is interpolated in k from the bucket's measured k's (each
-    extra draft token adds one draft forward and one verified column), and only a k that
-    cannot be estimated at all is tried blind, so the table fills itself.
+    faster) is extrapolated from the deepest measured one instead of holding on to stale
+    counts, which otherwise kept k stuck below its best after an early stretch of low
+    acceptance. With no counts at all this is the geometric model at the group's acceptance,
+    estimated per sequence (and pool-wide, as the prior for new sequences) as
+    accepted / (accepted + rejections) over recent steps.
+    Step cost is an exponential moving average of measured step times per (batch-size bucket,
+    k); a bucket not yet measured at some k borrows the nearest measured bucket's cost at that k
+    (scaled by their plain-step costs), a k measured nowhere is interpolated in k from the
+    bucket's measured k's (each extra draft token adds one draft forward and one verified
+    column), and only a k that cannot be estimated at all is tried blind, so the table fills
+    itself.
     Exploration is optimistic, not blind: a k not yet measured at this batch size counts
     EXPLORE_BONUS better than its estimate, so a close contender is tried and a clearly worse
     one (a costly draft at low acceptance) is not. Speculation is probed again after
@@ -165,6 +167,7 @@ class AdaptiveK:
                     self.verified[j] += 1.0
                 if a < k:
                     self.rejected[a] += 1.0
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, has_draft: bool, entries_for=lambda n: n):
