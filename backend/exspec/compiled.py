@@ -15,11 +15,22 @@ compile traces and generates code for every layer), the point of the 60 s budget
 without one ModuleList of identical decoder layers falls back to compiling the whole model
 (`CompiledForward.regional` says which; the engine logs it).
 
-Shapes are symbolic (`dynamic=True`): batch, query width and cache width are symbols, so a step
-with more rows, another k or longer rows reuses the same graph. Torch still specialises a size
-of 1 (one row, one query token), so the warm-up runs each model at 1 and 2 rows through a fixed
-schedule of steps that meets every forward kind once: 4 graphs per model, and afterwards nothing
-recompiles (tests/engine/test_compiled.py counts it with Dynamo's own counters).
+Regions of several layers: each compiled call costs ~0.15 ms on a CPU before it computes
+anything (Dynamo's entry and guards, the wrappers), which in a 36-layer model is most of what
+compiling saves. So a deep model's region runs several consecutive layers (at most MAX_REGIONS
+calls a forward; compile time grows with the layers a region traces, so a model of up to 8
+layers keeps one per region). That is sound only where the model's loop feeds each layer the
+previous one's output and the same other arguments; the first forward (eager) checks it and
+every later one asserts it (`_Region`), so models whose layer types get masks of their own keep
+one layer per region.
+
+Shapes are symbolic (`dynamic=True`, without duck shaping): batch, query width and cache width
+are symbols, so a step with more rows, another k or longer rows reuses the same graph. Torch
+still specialises a size of 1 (one row, one query token), so the warm-up runs each model at 1
+and 2 rows through a fixed schedule of steps that meets every forward kind once: 4 graphs per
+model with EQSPEC, 2 with EXSPEC (whose one-token forwards are fed as two, a pad first: a pad
+costs its block store nothing), and afterwards nothing recompiles (tests/engine/test_compiled.py
+counts it with Dynamo's own counters).
 
 Nothing that varies per step reaches the graph as a Python int: the KV layouts hand the model
 device tensors (EXSPEC's block tables, slots and masks, kv_blocks.py; EQSPEC's 2D mask, or its
@@ -61,14 +72,18 @@ class CompiledForward:
     """A model's decode forward through torch.compile: its decoder layers regionally (one
     compiled function for all of them) when it has them, else the whole model."""
 
-    # Graphs per model: {1, more} rows x {1, more} query tokens. Compiled code is cached per
-    # code object and torch caps that cache at 8 entries by default (past that it silently runs
-    # eager); every model's layers share `_run_layer`'s, so the cap is raised to room for a few.
+    # Graphs per model: {1, more} rows x {1, more} query tokens (EXSPEC: x 1, its one-token
+    # forwards are fed as two). Compiled code is cached per code object and torch caps that
+    # cache at 8 entries by default (past that it silently runs eager); every model's layers
+    # share `_run_layers`'s, so the cap is raised to room for a few.
     RECOMPILE_LIMIT = 64
 
     def __init__(self, model, cuda_graphs: bool = False):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    self.RECOMPILE_LIMIT)
+        # No duck shaping: equal sizes at the first compile (two query tokens and two KV heads,
+        # say) would share one symbol, and the graph would hold only while they stay equal
+        torch.fx.experimental._config.use_duck_shape = False
         self.model = model
         self.cuda_graphs = cuda_graphs
         self.active = False   # True while this object runs a forward: the layers dispatch on it
@@ -82,8 +97,13 @@ class CompiledForward:
         self.why_whole = ("its layers' forwards are wrapped by a hook" if hooked
                           else "no repeated decoder layers found")
         if self.regional:
+            self.layers = list(layers)
             self.layer_class = type(layers[0]).__name__
-            self.compiled = torch.compile(_run_layer, dynamic=True, backend=COMPILE_BACKEND, **options)
+            self.layers_per_region: int | None = None   # set by the first forward (_probe)
+            self.why_one_per_region = ""
+            self.compiled = torch.compile(_run_layers, dynamic=True, backend=COMPILE_BACKEND, **options)
+            self._probed: list | None = None   # the probe forward's (args, kwargs, output) per layer
+            self._chunk_out = None              # the current region's output, for its other layers
             for index, layer in enumerate(layers):
                 layer.forward = _Region(self, layer, index)
         else:
@@ -92,8 +112,12 @@ class CompiledForward:
     def describe(self) -> str:
         name = type(self.model).__name__
         graphs = ", CUDA graphs" if self.cuda_graphs else ""
-        return (f"{name}: regional, one graph for its {self.layer_class} layers{graphs}" if self.regional
-                else f"{name}: whole model ({self.why_whole}){graphs}")
+        if not self.regional:
+            return f"{name}: whole model ({self.why_whole}){graphs}"
+        per = self.layers_per_region or 1
+        grouping = (f"{per} layers per region" if per > 1 else
+                    "one layer per region" + (f" ({self.why_one_per_region})" if self.why_one_per_region else ""))
+        return f"{name}: regional, one graph for its {self.layer_class} layers, {grouping}{graphs}"
 
     def __call__(self, **inputs):
         if self.cuda_graphs:
@@ -105,11 +129,35 @@ class CompiledForward:
             if self.cuda_graphs:
                 out.logits = out.logits.clone()
             return out
+        if self.layers_per_region is None:
+            return self._probe(inputs)
         self.active = True
         try:   # the layers replay graphs; the lm_head after them is eager, its logits are new
             return self.model(**inputs)
         finally:
-            self.active = False
+            self.active, self._chunk_out = False, None
+
+    def _probe(self, inputs):
+        """The first forward, eager: it records what the model hands each layer, and sets how
+        many consecutive layers one compiled region runs. Several only when each layer's input
+        is the previous layer's output and every other argument is the very object the previous
+        layer got (not so where layer types get their own masks, say); then the number is the
+        smallest divisor of the layer count that keeps a forward to MAX_REGIONS compiled calls."""
+        self._probed = []
+        try:
+            out = self.model(**inputs)
+            chained = all(_same_call(self._probed[i], self._probed[i + 1])
+                          for i in range(len(self._probed) - 1))
+        finally:
+            probed, self._probed = self._probed, None
+        count = len(self.layers)
+        if len(probed) != count:
+            chained, self.why_one_per_region = False, f"the model ran {len(probed)} of {count} layers"
+        elif not chained:
+            self.why_one_per_region = "its layers get different arguments"
+        self.layers_per_region = (min(d for d in range(1, count + 1) if count % d == 0 and count // d <= MAX_REGIONS)
+                                  if chained else 1)
+        return out
 
 
 def decoder_layers(model) -> torch.nn.ModuleList | None:
@@ -129,16 +177,43 @@ def _hooked(layer) -> bool:
     return forward is not None and not isinstance(forward, _Region)
 
 
-def _run_layer(layer, *args, **kwargs):
-    """The compiled region: one decoder layer's own forward (its class's, not the `_Region`
-    put on the instance)."""
-    return type(layer).forward(layer, *args, **kwargs)
+# Most compiled calls a forward makes (each costs ~0.15 ms of Dynamo's entry and guards on a
+# CPU, whatever it computes); more layers per region cost compile time in proportion.
+MAX_REGIONS = 8
+
+
+def _hidden(output):
+    """A layer's output as the next layer's input: the hidden states (first of a tuple)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _run_layers(layers, calls):
+    """The compiled region: consecutive decoder layers' own forwards (their class's, not the
+    `_Region` put on the instance), each with its own arguments (its own cache layer), each
+    fed the previous one's output."""
+    out = None
+    for layer, (args, kwargs) in zip(layers, calls):
+        if out is not None:
+            args = (_hidden(out),) + tuple(args[1:])
+        out = type(layer).forward(layer, *args, **kwargs)
+    return out
+
+
+def _same_call(first, then) -> bool:
+    """The probe's test of two consecutive layers' calls: the second is fed the first's output,
+    and every other argument is the same object."""
+    (args, kwargs, out), (next_args, next_kwargs, _) = first, then
+    return (len(args) == len(next_args) and len(args) > 0 and next_args[0] is _hidden(out)
+            and all(a is b for a, b in zip(args[1:], next_args[1:]))
+            and kwargs.keys() == next_kwargs.keys()
+            and all(kwargs[name] is next_kwargs[name] for name in kwargs))
 
 
 class _Region:
     """A decoder layer's forward: eager unless its model runs a compiled decode forward; then
-    through the shared compiled function, with the cache argument replaced by the layer's own
-    cache layer."""
+    the first layer of each region runs the region's layers through the shared compiled function
+    (each with the cache argument replaced by its own cache layer), and the region's other layers
+    hand on that output, after checking they were given what the first layer was."""
 
     def __init__(self, owner: CompiledForward, layer, index: int):
         self.owner = owner
@@ -147,14 +222,33 @@ class _Region:
         self.index = index
 
     def __call__(self, *args, **kwargs):
-        if not self.owner.active:
+        owner = self.owner
+        if owner._probed is not None:
+            out = self.eager(*args, **kwargs)
+            owner._probed.append((args, kwargs, out))
+            return out
+        if not owner.active:
             return self.eager(*args, **kwargs)
-        args = [self._own(a) for a in args]
-        kwargs = {name: self._own(value) for name, value in kwargs.items()}
-        return self.owner.compiled(self.layer, *args, **kwargs)
+        per = owner.layers_per_region
+        first = self.index - self.index % per
+        if self.index != first:
+            start_args, start_kwargs, out = owner._chunk_out
+            if not _same_call((start_args, start_kwargs, out), (args, kwargs, None)):
+                raise RuntimeError(f"compiled regions: layer {self.index} was given other arguments "
+                                   f"than layer {first} of its region")
+            return out
+        layers = owner.layers[first:first + per]
+        calls = tuple(([self._own(a, first + j) for a in args],
+                       {name: self._own(value, first + j) for name, value in kwargs.items()})
+                      for j in range(len(layers)))
+        out = owner.compiled(tuple(layers), calls)
+        if per > 1:
+            owner._chunk_out = (args, kwargs, out)
+        return out
 
-    def _own(self, value):
-        return LayerCache(value, self.index) if isinstance(value, Cache) else value
+    @staticmethod
+    def _own(value, index: int):
+        return LayerCache(value, index) if isinstance(value, Cache) else value
 
 
 def cuda_graph_counts() -> dict[str, int]:

@@ -145,6 +145,8 @@ def uses_alibi(cfg) -> bool:
 class PaddedKV:
     """One model's cache for a group of rows, right-aligned, with a validity mask."""
 
+    free_pads = False   # a pad input is a column every row holds (a hole until realigned)
+
     def __init__(self, cache: DynamicCache, valid: torch.Tensor, lengths: list[int],
                  masks: LayerMasks = FULL_ATTENTION, mask_2d: bool = False):
         self.cache = cache

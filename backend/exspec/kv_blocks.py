@@ -177,7 +177,8 @@ class BlockTable:
 class BlockKV:
     """A group's rows in one model's KVStore; same interface as kv.PaddedKV."""
 
-    aligned = True   # nothing here ever needs realigning
+    aligned = True     # nothing here ever needs realigning
+    free_pads = True   # a pad input costs nothing: its entry goes to the scratch block
 
     def __init__(self, store: KVStore, tables: list[BlockTable]):
         self.store = store

@@ -75,6 +75,11 @@ class ModelRunner:
         forward = self.decode_forwards.get(model, model) if decode else model
         if forward is not model:   # compiled: inputs of one stride pattern (a copy on EQSPEC's views)
             self.stats.add("realign_bytes", kv.make_contiguous())
+            if ids.shape[1] == 1 and kv.free_pads:
+                # fed as two tokens, a pad first (its entry goes to scratch): torch compiles a
+                # width of 1 apart, so this halves the graphs the warm-up compiles
+                ids, pos, valid = (torch.cat([torch.full_like(t[:, :1], fill), t], dim=1)
+                                   for t, fill in ((ids, self.pad_id), (pos, 0), (valid, False)))
         mask = kv.attention_mask(valid, counts, pos, always=forward is not model)
         out = forward(input_ids=ids, attention_mask=mask, position_ids=pos,
                       cache=kv.cache, use_cache=True, logits_to_keep=keep)

@@ -130,8 +130,8 @@ def test_layers_sharing_one_cache_layer_fail_equivalence(pairs, reference, monke
     """Negative control inside the compiled regions: every layer handed layer 0's cache must be
     caught (and so the regions, not the eager layers, ran the decode forwards)."""
     monkeypatch.setattr(compiled._Region, "_own",
-                        lambda self, value: compiled.LayerCache(value, 0)
-                        if isinstance(value, compiled.Cache) else value)
+                        staticmethod(lambda value, index: compiled.LayerCache(value, 0)
+                                     if isinstance(value, compiled.Cache) else value))
     prompts = [p for p in make_prompts(320, pairs["llama", "eos"], seed=31, count=6) if len(p) > 1]
     outs = compiled_outputs(pairs, "llama", 3, 3, "exspec", prompts, 16)
     assert any(out.token_ids != reference(pairs["llama", "target"], p, 16)
@@ -167,3 +167,61 @@ def test_compiled_path_on_other_architectures(model_type):
     for i, (out, p) in enumerate(zip(outs, prompts)):
         assert out.token_ids == greedy_reference(target, p, 8), f"{model_type} row {i}"
     assert compiled.dynamo_counts() == before, f"{model_type}: recompiled after the warm-up"
+
+
+DEEP = 12   # layers: past compiled.MAX_REGIONS, so regions run several layers each
+
+
+def deep_engine(model_type: str, method: str, **config):
+    target, draft = build(model_type, num_hidden_layers=DEEP, **config)
+    engine = LLMEngine(EngineConfig(target_model=model_type, draft_model=model_type, method=method,
+                                    num_speculative_tokens=3, max_batch_size=3, adaptive_k=False,
+                                    enforce_eager=False),
+                       pair=ModelPair(build_tokenizer(), target, draft, set(), 256))
+    return engine, target
+
+
+DEEP_PROMPTS = [[5, 9, 17, 33, 2], [40], [7, 8, 9, 10, 11, 12, 13, 14, 15], [100, 3], [61, 62]]
+
+
+@pytest.mark.parametrize("method", ["exspec", "eqspec"])
+def test_regions_of_several_layers_match_target_greedy(method):
+    """A 12-layer model runs 2 layers per compiled region (the smallest divisor of its depth
+    that keeps a forward to MAX_REGIONS calls): exact, and nothing recompiles after warm-up."""
+    engine, target = deep_engine("llama", method)
+    forwards = list(engine.runner.decode_forwards.values())
+    assert [f.layers_per_region for f in forwards] == [2, 2], engine.warm_up.describe()
+    before = compiled.dynamo_counts()
+    outs = engine.generate(DEEP_PROMPTS, SamplingParams(max_tokens=10))
+    for i, (out, p) in enumerate(zip(outs, DEEP_PROMPTS)):
+        assert out.token_ids == greedy_reference(target, p, 10), f"{method} row {i}"
+    assert compiled.dynamo_counts() == before, "recompiled after the warm-up"
+
+
+def test_region_layers_fed_the_region_input_fail_equivalence(monkeypatch):
+    """Negative control: a region whose later layers get the region's input instead of the
+    previous layer's output must be caught (so a region really runs all its layers)."""
+    def unchained(layers, calls):
+        out = None
+        for layer, (args, kwargs) in zip(layers, calls):
+            out = type(layer).forward(layer, *args, **kwargs)
+        return out
+    monkeypatch.setattr(compiled, "_run_layers", unchained)
+    engine, target = deep_engine("llama", "exspec")
+    assert engine.runner.decode_forwards[engine.target].layers_per_region == 2
+    outs = engine.generate(DEEP_PROMPTS, SamplingParams(max_tokens=10))
+    assert any(out.token_ids != greedy_reference(target, p, 10)
+               for out, p in zip(outs, DEEP_PROMPTS)), "unchained region layers went unnoticed"
+
+
+def test_layers_given_their_own_masks_run_one_per_region():
+    """Sliding and full layers get their own masks: the probe sees layers given different
+    arguments, so each region keeps one layer, and the output stays exact."""
+    pattern = (["sliding_attention"] * 2 + ["full_attention"]) * (DEEP // 3)
+    engine, target = deep_engine("gemma3_text", "exspec", layer_types=pattern, sliding_window=4)
+    forward = engine.runner.decode_forwards[engine.target]
+    assert forward.layers_per_region == 1, forward.describe()
+    assert "different arguments" in forward.describe()
+    outs = engine.generate(DEEP_PROMPTS, SamplingParams(max_tokens=10))
+    for i, (out, p) in enumerate(zip(outs, DEEP_PROMPTS)):
+        assert out.token_ids == greedy_reference(target, p, 10), f"row {i}"
