@@ -160,16 +160,18 @@ class CompiledForward:
             self.why_one_per_region = "its layers get different arguments"
         self.layers_per_region = (min(d for d in range(1, count + 1) if count % d == 0 and count // d <= MAX_REGIONS)
                                   if chained else 1)
-        options = self._options
-        if (not options and COMPILE_BACKEND == "inductor" and self.layers_per_region > 1
-                and next(self.model.parameters()).device.type == "cpu"):
-            # C++ instead of Python wrappers: in a region of several layers the Python that
-            # calls each kernel costs more than the kernels (deep-narrow B = 1: 2.1-2.5x eager
-            # per forward instead of 1.9-2.3x), for ~20% more compile time
-            options = {"options": {"cpp_wrapper": True}}
-        self.cpp_wrapper = bool(options.get("options", {}).get("cpp_wrapper"))
-        self.compiled = torch.compile(_run_layers, dynamic=True, backend=COMPILE_BACKEND, **options)
+        self._compile_regions()
         return out
+
+    def _compile_regions(self) -> None:
+        # C++ instead of Python wrappers for regions of several layers on a CPU: there the
+        # Python that calls each kernel costs more than the kernels (deep-narrow, B = 1: 2.1-2.5x
+        # eager per forward instead of 1.9-2.3x), for ~20% more compile time. CUDA graphs
+        # (options set) replay without any wrapper.
+        self.cpp_wrapper = (not self._options and COMPILE_BACKEND == "inductor" and self.layers_per_region > 1
+                            and next(self.model.parameters()).device.type == "cpu")
+        options = {"options": {"cpp_wrapper": True}} if self.cpp_wrapper else self._options
+        self.compiled = torch.compile(_run_layers, dynamic=True, backend=COMPILE_BACKEND, **options)
 
 
 def decoder_layers(model) -> torch.nn.ModuleList | None:
@@ -199,15 +201,18 @@ def _hidden(output):
     return output[0] if isinstance(output, tuple) else output
 
 
-def _run_layers(layers, calls):
+def _run_layers(layers, caches, args, kwargs):
     """The compiled region: consecutive decoder layers' own forwards (their class's, not the
-    `_Region` put on the instance), each with its own arguments (its own cache layer), each
+    `_Region` put on the instance), all given the region's first layer's arguments, except that
+    each gets its own cache layer (caches[j] where the whole cache was) and each later one is
     fed the previous one's output."""
     out = None
-    for layer, (args, kwargs) in zip(layers, calls):
+    for layer, cache in zip(layers, caches):
+        layer_args = [cache if isinstance(a, Cache) else a for a in args]
         if out is not None:
-            args = (_hidden(out),) + tuple(args[1:])
-        out = type(layer).forward(layer, *args, **kwargs)
+            layer_args[0] = _hidden(out)
+        layer_kwargs = {name: cache if isinstance(v, Cache) else v for name, v in kwargs.items()}
+        out = type(layer).forward(layer, *layer_args, **layer_kwargs)
     return out
 
 
@@ -249,18 +254,17 @@ class _Region:
                 raise RuntimeError(f"compiled regions: layer {self.index} was given other arguments "
                                    f"than layer {first} of its region")
             return out
-        layers = owner.layers[first:first + per]
-        calls = tuple(([self._own(a, first + j) for a in args],
-                       {name: self._own(value, first + j) for name, value in kwargs.items()})
-                      for j in range(len(layers)))
-        out = owner.compiled(tuple(layers), calls)
+        cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, Cache)), None)
+        caches = tuple(self._own(cache, first + j) for j in range(per))
+        out = owner.compiled(tuple(owner.layers[first:first + per]), caches, args, kwargs)
         if per > 1:
             owner._chunk_out = (args, kwargs, out)
         return out
 
     @staticmethod
-    def _own(value, index: int):
-        return LayerCache(value, index) if isinstance(value, Cache) else value
+    def _own(cache, index: int):
+        """Layer `index`'s cache layer, where its forward would take the whole cache."""
+        return LayerCache(cache, index) if isinstance(cache, Cache) else cache
 
 
 def cuda_graph_counts() -> dict[str, int]:
