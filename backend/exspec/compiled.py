@@ -18,8 +18,8 @@ without one ModuleList of identical decoder layers falls back to compiling the w
 Regions of several layers: each compiled call costs ~0.15 ms on a CPU before it computes
 anything (Dynamo's entry and guards, the wrappers), which in a 36-layer model is most of what
 compiling saves. So a deep model's region runs several consecutive layers (at most MAX_REGIONS
-calls a forward; compile time grows with the layers a region traces, so a model of up to 8
-layers keeps one per region). That is sound only where the model's loop feeds each layer the
+calls a forward; compile time grows with the layers a region traces, so a model of up to
+SHALLOW layers keeps one per region). That is sound only where the model's loop feeds each layer the
 previous one's output and the same other arguments; the first forward (eager) checks it and
 every later one asserts it (`_Region`), so models whose layer types get masks of their own keep
 one layer per region.
@@ -144,8 +144,9 @@ class CompiledForward:
         """The first forward, eager: it records what the model hands each layer, and sets how
         many consecutive layers one compiled region runs. Several only when each layer's input
         is the previous layer's output and every other argument is the very object the previous
-        layer got (not so where layer types get their own masks, say); then the number is the
-        smallest divisor of the layer count that keeps a forward to MAX_REGIONS compiled calls."""
+        layer got (not so where layer types get their own masks, say), and the model has more
+        than SHALLOW layers; then the number is the smallest divisor of the layer count that
+        keeps a forward to MAX_REGIONS compiled calls."""
         self._probed = []
         try:
             out = self.model(**inputs)
@@ -158,8 +159,8 @@ class CompiledForward:
             chained, self.why_one_per_region = False, f"the model ran {len(probed)} of {count} layers"
         elif not chained:
             self.why_one_per_region = "its layers get different arguments"
-        self.layers_per_region = (min(d for d in range(1, count + 1) if count % d == 0 and count // d <= MAX_REGIONS)
-                                  if chained else 1)
+        self.layers_per_region = (1 if not chained or count <= SHALLOW else
+                                  min(d for d in range(1, count + 1) if count % d == 0 and count // d <= MAX_REGIONS))
         self._compile_regions()
         return out
 
@@ -191,9 +192,12 @@ def _hooked(layer) -> bool:
     return forward is not None and not isinstance(forward, _Region)
 
 
-# Most compiled calls a forward makes (each costs ~0.15 ms of Dynamo's entry and guards on a
-# CPU, whatever it computes); more layers per region cost compile time in proportion.
-MAX_REGIONS = 8
+# A model of at most SHALLOW layers keeps one layer per region (compile time grows with the
+# layers a region traces, and the demo pair's is what the 60 s warm-up budget covers); a deeper
+# one makes at most MAX_REGIONS compiled calls a forward (each costs ~0.15-0.25 ms of Dynamo's
+# entry, guards and wrappers on a CPU, whatever it computes).
+SHALLOW = 8
+MAX_REGIONS = 4
 
 
 def _hidden(output):

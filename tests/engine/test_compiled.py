@@ -169,7 +169,7 @@ def test_compiled_path_on_other_architectures(model_type):
     assert compiled.dynamo_counts() == before, f"{model_type}: recompiled after the warm-up"
 
 
-DEEP = 12   # layers: past compiled.MAX_REGIONS, so regions run several layers each
+DEEP = 12   # layers: past compiled.SHALLOW, so regions run several layers each
 
 
 def deep_engine(model_type: str, method: str, **config):
@@ -186,11 +186,11 @@ DEEP_PROMPTS = [[5, 9, 17, 33, 2], [40], [7, 8, 9, 10, 11, 12, 13, 14, 15], [100
 
 @pytest.mark.parametrize("method", ["exspec", "eqspec"])
 def test_regions_of_several_layers_match_target_greedy(method):
-    """A 12-layer model runs 2 layers per compiled region (the smallest divisor of its depth
-    that keeps a forward to MAX_REGIONS calls): exact, and nothing recompiles after warm-up."""
+    """A 12-layer model runs 3 layers per compiled region (the smallest divisor of its depth
+    that keeps a forward to MAX_REGIONS = 4 calls): exact, nothing recompiles after warm-up."""
     engine, target = deep_engine("llama", method)
     forwards = list(engine.runner.decode_forwards.values())
-    assert [f.layers_per_region for f in forwards] == [2, 2], engine.warm_up.describe()
+    assert [f.layers_per_region for f in forwards] == [3, 3], engine.warm_up.describe()
     before = compiled.dynamo_counts()
     outs = engine.generate(DEEP_PROMPTS, SamplingParams(max_tokens=10))
     for i, (out, p) in enumerate(zip(outs, DEEP_PROMPTS)):
@@ -210,7 +210,7 @@ def test_region_layers_fed_the_region_input_fail_equivalence(monkeypatch):
         return out
     monkeypatch.setattr(compiled, "_run_layers", unchained)
     engine, target = deep_engine("llama", "exspec")
-    assert engine.runner.decode_forwards[engine.target].layers_per_region == 2
+    assert engine.runner.decode_forwards[engine.target].layers_per_region == 3
     outs = engine.generate(DEEP_PROMPTS, SamplingParams(max_tokens=10))
     assert any(out.token_ids != greedy_reference(target, p, 10)
                for out, p in zip(outs, DEEP_PROMPTS)), "unchained region layers went unnoticed"
