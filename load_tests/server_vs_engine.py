@@ -29,6 +29,12 @@ from exspec.serving.launcher import TritonServer  # noqa: E402
 MAX_TOKENS = 64
 
 
+def shipped_granularity(model_json: dict) -> str:
+    from exspec import EngineConfig
+    return model_json.get("stream_granularity",
+                          EngineConfig.__dataclass_fields__["stream_granularity"].default)
+
+
 def repository_with(granularities: list[str], root: Path) -> tuple[Path, dict[str, str]]:
     """The shipped repository, plus a copy of the exspec model per extra granularity (its
     paths made absolute); {granularity: model name}."""
@@ -38,7 +44,7 @@ def repository_with(granularities: list[str], root: Path) -> tuple[Path, dict[st
     shipped = json.loads((folder / "model.json").read_text())
     names = {}
     for granularity in granularities:
-        if granularity == shipped.get("stream_granularity", "token"):
+        if granularity == shipped_granularity(shipped):
             names[granularity] = "exspec"
             continue
         name = names[granularity] = f"exspec_{granularity}"
@@ -58,7 +64,7 @@ def main(argv: list[str]) -> int:
     repeats = int(argv[2]) if len(argv) > 2 else 3
     root = Path(tempfile.mkdtemp(prefix="exspec-server-vs-engine-"))
     shipped = json.loads((REPO / "model_repository/exspec/1/model.json").read_text())
-    granularities = argv[3].split(",") if len(argv) > 3 else [shipped.get("stream_granularity", "token")]
+    granularities = argv[3].split(",") if len(argv) > 3 else [shipped_granularity(shipped)]
     repository, names = repository_with(granularities, root)
     engine, _ = engine_from_repository(repository, "exspec")
     prompts = load_prompts(repository / "exspec/1/demo/prompts.jsonl")

@@ -59,8 +59,8 @@ class EngineConfig:
     sampling_coupling: str = "gumbel"     # gumbel | rejection: how draft and target share randomness
     tick_timeout_s: float | None = None   # the Triton adapter's watchdog: a longer tick is fatal
     torch_threads: int | None = None      # intra/inter-op CPU threads; None: OMP_NUM_THREADS or 1 (threads.py)
-    stream_granularity: str = "token"     # the Triton adapter streams one response per "token"
-                                          # (as the vLLM backend does) or per engine "step"
+    stream_granularity: str = "step"      # the Triton adapter streams one response per engine
+                                          # "step" (as vLLM does when it speculates) or per "token"
     enforce_eager: bool = True            # vLLM's meaning: no compiled decode path (compiled.py);
                                           # False compiles the step's forwards before READY
     fault_injection: dict | None = None   # tests only: see faults.py; off unless set here

@@ -9,7 +9,7 @@ and the repository's own config files, and serves three models from one server:
                  and " STOP here" split across byte-level tokens), for the streaming-text tests;
 - small          a GPT-2 pair (learned absolute positions), method eqspec, with a one-slot
                  pool and queue, for the busy and per-request-k tests;
-- stepwise       the exspec pair again, streaming one response per engine step and publishing
+- tokenwise      the exspec pair again, streaming one response per token and publishing
                  the vLLM backend's vllm: metric families (REPORT_CUSTOM_METRICS), for the
                  drop-in tests.
 """
@@ -92,7 +92,7 @@ def build_repository(root: Path) -> Path:
 
     for name, engine in MODELS.items():
         write_model(repo, name, pairs / name, engine)
-    write_model(repo, "stepwise", pairs / "exspec", {**MODELS["exspec"], "stream_granularity": "step"},
+    write_model(repo, "tokenwise", pairs / "exspec", {**MODELS["exspec"], "stream_granularity": "token"},
                 config_extra=REPORT_CUSTOM_METRICS)
     copy_unary(repo)
     return repo

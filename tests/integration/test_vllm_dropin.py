@@ -126,23 +126,25 @@ def test_return_logprobs_without_logprobs_is_null(server, stream):
 
 
 # -- 4. streaming granularity ----------------------------------------------------------------------------
-def test_default_streams_one_response_per_token(server):
-    call = grpc_one(server.urls["grpc"], "exspec", prompt=PROMPT, stream=True,
-                    sampling={"max_tokens": 12, "ignore_eos": True})
-    whole = grpc_one(server.urls["grpc"], "exspec", prompt=PROMPT, stream=False,
-                     exclude_input_in_output=True, sampling={"max_tokens": 12, "ignore_eos": True})
-    assert [len(r.ids()) for r in call.responses] == [1] * 12
-    assert call.ids() == whole.ids() and call.text() == whole.text()
-
-
-def test_step_granularity_streams_one_response_per_engine_step(server):
+def test_default_streams_one_response_per_engine_step(server):
+    # as vLLM's own backend streams when vLLM speculates: a response per engine step, carrying
+    # every token the step committed; the first token, from the prefill, in a response of its own
     sampling = {"max_tokens": 24, "ignore_eos": True}
-    call = grpc_one(server.urls["grpc"], "stepwise", prompt=PROMPT, stream=True, sampling=sampling)
-    per_token = grpc_one(server.urls["grpc"], "exspec", prompt=PROMPT, stream=True, sampling=sampling)
+    call = grpc_one(server.urls["grpc"], "exspec", prompt=PROMPT, stream=True, sampling=sampling)
+    whole = grpc_one(server.urls["grpc"], "exspec", prompt=PROMPT, stream=False,
+                     exclude_input_in_output=True, sampling=sampling)
     sizes = [len(r.ids()) for r in call.responses]
     assert sum(sizes) == 24 and max(sizes) > 1, f"no step committed several tokens: {sizes}"
     assert sizes[0] == 1, f"the prefill token did not go out in a response of its own: {sizes}"
-    assert call.ids() == per_token.ids() and call.text() == per_token.text()
+    assert call.ids() == whole.ids() and call.text() == whole.text()
+
+
+def test_token_granularity_streams_one_response_per_token(server):
+    sampling = {"max_tokens": 12, "ignore_eos": True}
+    call = grpc_one(server.urls["grpc"], "tokenwise", prompt=PROMPT, stream=True, sampling=sampling)
+    per_step = grpc_one(server.urls["grpc"], "exspec", prompt=PROMPT, stream=True, sampling=sampling)
+    assert [len(r.ids()) for r in call.responses] == [1] * 12
+    assert call.ids() == per_step.ids() and call.text() == per_step.text()
 
 
 # -- 5. vllm: metric families ---------------------------------------------------------------------------
@@ -154,18 +156,18 @@ VLLM_COUNTS = ["vllm:prompt_tokens_total", "vllm:generation_tokens_total",
 
 
 def _vllm_counts(server) -> dict:
-    return {name: scrape(server, name, model="stepwise") for name in VLLM_COUNTS}
+    return {name: scrape(server, name, model="tokenwise") for name in VLLM_COUNTS}
 
 
 def test_vllm_metrics_follow_the_vllm_backend(server, hf_target):
     prompts = ["The most dangerous animal is", "The capital of France is", "The future of AI is"]
     prompt_tokens = sum(len(hf_target[1](p, add_special_tokens=False).input_ids) for p in prompts)
     before = _vllm_counts(server)
-    calls = grpc_stream(server.urls["grpc"], "stepwise", [
+    calls = grpc_stream(server.urls["grpc"], "tokenwise", [
         {"prompt": p, "stream": False, "sampling": {"max_tokens": 16, "ignore_eos": True}}
         for p in prompts])
     assert all(len(c.ids()) == 16 for c in calls), [c.responses for c in calls]
-    wait_for(lambda: scrape(server, "vllm:e2e_request_latency_seconds_count", model="stepwise")
+    wait_for(lambda: scrape(server, "vllm:e2e_request_latency_seconds_count", model="tokenwise")
              >= before["vllm:e2e_request_latency_seconds_count"] + 3, what="the requests' metrics")
     after = _vllm_counts(server)
     delta = {name: after[name] - before[name] for name in VLLM_COUNTS}
@@ -177,11 +179,11 @@ def test_vllm_metrics_follow_the_vllm_backend(server, hf_target):
         "vllm:request_prompt_tokens_sum": prompt_tokens, "vllm:request_generation_tokens_count": 3,
         "vllm:request_generation_tokens_sum": 48, "vllm:request_params_n_count": 3}
     # vLLM's bucket boundaries, so its dashboards' quantile queries keep working
-    assert scrape(server, "vllm:time_to_first_token_seconds_bucket", model="stepwise", le="+Inf") \
+    assert scrape(server, "vllm:time_to_first_token_seconds_bucket", model="tokenwise", le="+Inf") \
         == after["vllm:time_to_first_token_seconds_count"]
-    scrape(server, "vllm:time_to_first_token_seconds_bucket", model="stepwise", le="7.5")
-    scrape(server, "vllm:e2e_request_latency_seconds_bucket", model="stepwise", le="40")
-    assert scrape(server, "exspec:requests_total", model="stepwise") >= 3   # ours stay
+    scrape(server, "vllm:time_to_first_token_seconds_bucket", model="tokenwise", le="7.5")
+    scrape(server, "vllm:e2e_request_latency_seconds_bucket", model="tokenwise", le="40")
+    assert scrape(server, "exspec:requests_total", model="tokenwise") >= 3   # ours stay
 
 
 def test_vllm_families_only_with_report_custom_metrics(server):
