@@ -19,7 +19,9 @@ tables move). A forward gets a device block table [B, nb] (nb: the longest row's
 to a power of two on the compiled path); the cache layer writes the new entries at their slots
 and gathers each row's blocks into [B, H, nb * BLOCK_SIZE, D] for attention: dense attention
 over those columns, so a forward costs in proportion to the longest row's blocks (measured: see
-README, "The decode path"). The masks come
+README, "The decode path"). On the eager path a group of one row whose blocks are consecutive
+(a sequence alone in its store gets them so) skips the gather and the mask: its entries are one
+slice of each buffer, read in place, and the model's own causal mask is exact. The masks come
 from one function (kv.LayerMasks.build, one mask per layer type, sliding windows included) of
 device tensors: key positions and query positions.
 
@@ -42,15 +44,19 @@ SCRATCH_BLOCK = 0
 
 class _Forward:
     """The current forward's indices, shared by every layer of a store: where the new entries
-    go (`slots`, [B*q]) and which slots each row reads (`gather`, [B, W])."""
+    go (`slots`, [B*q]) and which slots each row reads (`gather`, [B, W]); or, for one row whose
+    blocks are consecutive, its `span` (first slot, entries cached, entries after the forward):
+    its entries are then one slice of the buffer, read in place."""
 
     def __init__(self):
         self.slots: torch.Tensor | None = None
         self.gather: torch.Tensor | None = None
+        self.span: tuple[int, int, int] | None = None
         self._copies: dict = {}   # the indices on other GPUs (device_map), once per forward
 
-    def bind(self, slots: torch.Tensor, gather: torch.Tensor) -> None:
-        self.slots, self.gather, self._copies = slots, gather, {}
+    def bind(self, slots: torch.Tensor | None, gather: torch.Tensor | None,
+             span: tuple[int, int, int] | None = None) -> None:
+        self.slots, self.gather, self.span, self._copies = slots, gather, span, {}
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device == self.slots.device:
@@ -94,6 +100,8 @@ class _BlockLayer(DynamicLayer):
             self.keys = _buffer(key_states.new_zeros((self.capacity,) + key_states.shape[1:2] + key_states.shape[3:]))
             self.values = _buffer(value_states.new_zeros((self.capacity,) + value_states.shape[1:2] + value_states.shape[3:]))
             self.is_initialized = True
+        if self.forward.span is not None:
+            return self._update_span(key_states, value_states, *self.forward.span)
         slots, gather = self.forward.on(self.keys.device)
         heads = key_states.shape[1]
         self.keys.index_copy_(0, slots, key_states.transpose(1, 2).reshape(-1, heads, key_states.shape[3]))
@@ -101,7 +109,17 @@ class _BlockLayer(DynamicLayer):
             -1, value_states.shape[1], value_states.shape[3]))
         return _rows_of(self.keys, gather), _rows_of(self.values, gather)
 
+    def _update_span(self, key_states, value_states, start: int, cached: int, total: int):
+        """One row in consecutive blocks: its new entries written at their slots, and its
+        entries so far returned as views of the buffers ([1, H, total, D]), no gather."""
+        for buffer, new in ((self.keys, key_states), (self.values, value_states)):
+            buffer[start + cached:start + total].copy_(new[0].transpose(0, 1))
+        return (self.keys[start:start + total].transpose(0, 1)[None],
+                self.values[start:start + total].transpose(0, 1)[None])
+
     def get_seq_length(self) -> int:
+        if self.forward.span is not None:   # what HF's own masks count as cached
+            return self.forward.span[1]
         return 0 if self.forward.gather is None else self.forward.gather.shape[1]
 
     def grow(self, slots: int) -> None:
@@ -166,6 +184,16 @@ class BlockTable:
         self.length = 0               # KV entries written for real tokens
         self.release = weakref.finalize(self, store.free, self.blocks)
 
+    def span(self, count: int) -> tuple[int, int, int] | None:
+        """(first slot, entries cached, entries after `count` more) when this sequence's
+        blocks are consecutive, so its entries are one slice of the store (position p at slot
+        first + p); None otherwise. A sequence alone in its store gets consecutive blocks."""
+        first = self.blocks[0]
+        if self.blocks[-1] - first != len(self.blocks) - 1 or any(
+                b != first + i for i, b in enumerate(self.blocks)):
+            return None
+        return first * BLOCK_SIZE, self.length, self.length + count
+
     def reserve(self, store: KVStore, num_tokens: int) -> bool:
         """Make room for `num_tokens` entries; True when blocks were added."""
         more = store.units_for(num_tokens) - len(self.blocks)
@@ -206,10 +234,18 @@ class BlockKV:
 
     # -- a forward pass -----------------------------------------------------------------------
     def attention_mask(self, input_valid: torch.Tensor, counts: list[int],
-                       positions: torch.Tensor, always: bool = True) -> torch.Tensor:
+                       positions: torch.Tensor, always: bool = True) -> torch.Tensor | None:
         """Room for the forward's tokens, the forward's slots bound for the layers, and its mask.
-        input_valid / positions [B, q] on the device (left-padded rows: real tokens last)."""
+        input_valid / positions [B, q] on the device (left-padded rows: real tokens last).
+        `always` False (eager): one row in consecutive blocks reads its entries in place and
+        gets no mask (None: its columns are its positions, so the model's own causal masks are
+        exact, sliding windows included, and HF skips one for a single query)."""
         grew = [t.reserve(self.store, t.length + c) for t, c in zip(self.tables, counts)]
+        if not always and self.batch == 1 and counts[0] == input_valid.shape[1]:
+            span = self.tables[0].span(counts[0])
+            if span is not None:
+                self.store.forward.bind(None, None, span)
+                return None
         if any(grew) or self._table is None:
             self._table = self.device_table()
         table = self._table

@@ -23,7 +23,10 @@ class FeedLog:
         ids, mask, pos = kwargs["input_ids"], kwargs["attention_mask"], kwargs["position_ids"]
         q = ids.shape[1]
         real = self.valid.bool()
-        if mask.dim() == 2:   # EQSPEC: a padding mask over [cache, new tokens]
+        if mask is None:      # EXSPEC, one row read in place: its columns are its positions
+            _, cached, _ = kwargs["cache"].layers[0].forward.span
+            seen_before = cached + torch.arange(q)[None]
+        elif mask.dim() == 2:   # EQSPEC: a padding mask over [cache, new tokens]
             assert torch.equal(mask[:, -q:].bool(), real), "the mask's new columns are not the real tokens"
             seen_before = mask.cumsum(1)[:, -q:] - 1
         else:                 # EXSPEC: a 4D additive mask, one row of allowed columns per query

@@ -70,3 +70,54 @@ def test_mask_shows_each_query_the_positions_up_to_its_own():
     allowed = (mask[:, 0] == 0).int().tolist()
     assert allowed == [[[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]],
                        [[1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]]
+
+
+def _forward(kv, model, ids, start, always):
+    """One forward of `ids` [1, q] at positions start.. on a one-row BlockKV; its logits."""
+    q = ids.shape[1]
+    valid = torch.ones(1, q, dtype=torch.bool)
+    pos = torch.arange(start, start + q)[None]
+    with torch.inference_mode():
+        mask = kv.attention_mask(valid, [q], pos, always=always)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=kv.cache,
+                       use_cache=True).logits
+    kv.appended(valid, [q])
+    return logits, mask
+
+
+def test_one_row_in_consecutive_blocks_reads_its_entries_in_place():
+    model = llama(320, 0).eval()
+    prompt = torch.randint(3, 300, (1, 2 * BLOCK_SIZE + 5))
+    steps = [torch.tensor([[7]]), torch.tensor([[9, 11, 13]]), torch.tensor([[17]])]
+    runs = {}
+    for always in (True, False):   # True: gather + mask, as before; False: the in-place span
+        stores = BlockStores("cpu")
+        kv = stores.empty(model, 1, "cpu")
+        logits, mask = _forward(kv, model, prompt, 0, always)
+        out, start = [logits[0, -1]], prompt.shape[1]
+        for ids in steps:
+            logits, mask = _forward(kv, model, ids, start, always)
+            out.append(logits[0])
+            start += ids.shape[1]
+            assert (stores.store(model).forward.span is None) == always and (mask is None) != always
+        kv.drop_tail([2])   # a rollback, then one more token over the dropped entries
+        logits, _ = _forward(kv, model, torch.tensor([[19]]), start - 2, always)
+        runs[always] = out + [logits[0]]
+    for gathered, in_place in zip(runs[True], runs[False]):
+        torch.testing.assert_close(in_place, gathered, rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_in_scattered_blocks_falls_back_to_the_gather():
+    model = llama(320, 0).eval()
+    stores = BlockStores("cpu")
+    kv, other = stores.empty(model, 1, "cpu"), stores.empty(model, 1, "cpu")
+    prompt = torch.randint(3, 300, (1, BLOCK_SIZE))
+    _forward(kv, model, prompt, 0, always=False)
+    _forward(other, model, prompt, 0, always=False)   # takes the block after kv's
+    logits, mask = _forward(kv, model, torch.tensor([[5, 6]]), BLOCK_SIZE, always=False)
+    assert kv.tables[0].span(1) is None, kv.tables[0].blocks
+    assert stores.store(model).forward.span is None and mask is not None
+    reference = llama(320, 0).eval()
+    with torch.inference_mode():
+        expected = reference(input_ids=torch.cat([prompt, torch.tensor([[5, 6]])], 1)).logits[0, -2:]
+    torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
