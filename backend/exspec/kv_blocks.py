@@ -189,8 +189,7 @@ class BlockTable:
         blocks are consecutive, so its entries are one slice of the store (position p at slot
         first + p); None otherwise. A sequence alone in its store gets consecutive blocks."""
         first = self.blocks[0]
-        if self.blocks[-1] - first != len(self.blocks) - 1 or any(
-                b != first + i for i, b in enumerate(self.blocks)):
+        if any(b != first + i for i, b in enumerate(self.blocks)):
             return None
         return first * BLOCK_SIZE, self.length, self.length + count
 
@@ -244,6 +243,8 @@ class BlockKV:
         if not always and self.batch == 1 and counts[0] == input_valid.shape[1]:
             span = self.tables[0].span(counts[0])
             if span is not None:
+                if any(grew):
+                    self._table = None   # rebuilt whenever a later forward gathers
                 self.store.forward.bind(None, None, span)
                 return None
         if any(grew) or self._table is None:
