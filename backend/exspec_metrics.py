@@ -10,7 +10,8 @@ from __future__ import annotations
 import triton_python_backend_utils as pb_utils
 
 STEP_KINDS = {"equal_length": "equal_length_steps", "realign": "realign_steps",
-              "plain": "plain_steps", "sticky": "sticky_steps"}
+              "plain": "plain_steps", "sticky": "sticky_steps",
+              "draft_stopped": "draft_stopped_steps"}
 PHASES = ("schedule", "prefill", "draft", "verify", "realign", "step")
 OUTCOMES = ("stop", "length", "abort", "cancelled", "error", "rejected")
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]

@@ -163,7 +163,7 @@ class SequencePool:
             result = self.runner.step(group, k)
             # the step's cost at this k, without a one-off draft catch-up prefill
             seconds = time.perf_counter() - start - (self.stats.seconds["prefill"] - catch_up)
-            self.scheduler.observe(group, k, seconds, result.num_accepted)
+            self.scheduler.observe(group, k, result.k, seconds, result.num_accepted)
             group.steps += 1
             self._retire()
             if group in self.groups:   # EQSPEC realigns now; EXSPEC's layout has nothing to move

@@ -34,10 +34,13 @@ class StepResult:
 class ModelRunner:
     def __init__(self, target, draft, pad_id: int, device: str, stats: Stats, kv_layout=PaddedKV,
                  faults: Faults | None = None, vocab: PaddedVocab | None = None,
-                 coupling: str = "gumbel"):
+                 coupling: str = "gumbel", draft_stop: float = 0.0):
         self.faults = faults or Faults(None)
         self.vocab = vocab           # set when draft and target differ by padding rows
         self.coupling = coupling     # "gumbel" or "rejection" (sampler.py)
+        # a round of drafts ends early once every row's draft is less sure than this of its
+        # token (0: always k drafts); a host read per draft token, so off on a GPU by default
+        self.draft_stop = draft_stop
         # Gumbel noise covers the wider vocabulary of the two (a padded target's, say)
         self.noise_width = max(logit_rows(m) for m in (target, draft) if m is not None)
         self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or kv_blocks.BlockStores (EXSPEC)
@@ -199,7 +202,12 @@ class ModelRunner:
 
         if k > 0:
             with self.stats.timer("draft"):
-                draft_tokens, q = self._draft(group, k, rows, u, noise, draft_in[:4], start + 1)
+                draft_tokens, q = self._draft(group, k, rows, u, noise, draft_in[:4], start + 1,
+                                              stop=self.draft_stop if coupled else 0.0)
+            if draft_tokens.shape[1] < k:   # the round stopped at an unsure draft
+                self.stats.add("draft_stopped_steps")
+                k = draft_tokens.shape[1]
+                noise = None if noise is None else noise[:, :k + 1]
 
         with self.stats.timer("verify"):
             ids = pending[:, None] if k == 0 else torch.cat([pending[:, None], draft_tokens], dim=1)
@@ -242,9 +250,12 @@ class ModelRunner:
         return StepResult(committed, accepted, k)
 
     def _draft(self, group: Group, k: int, rows: RowSampling, u: torch.Tensor | None,
-               noise: torch.Tensor | None, first_input, next_pos: torch.Tensor):
+               noise: torch.Tensor | None, first_input, next_pos: torch.Tensor, stop: float = 0.0):
         """k draft tokens per row (and their distributions when sampling), feeding the draft
-        only what its cache lacks (`first_input`: ids, positions, validity, counts)."""
+        only what its cache lacks (`first_input`: ids, positions, validity, counts). With `stop`
+        > 0, fewer: the round ends after a draft token that every row's draft gives less than
+        `stop` of its probability (HF assisted generation's assistant_confidence_threshold); the
+        verification's answer does not depend on how many drafts it checks."""
         seqs = group.seqs
         ids, pos, valid, counts = first_input
         tokens, probs = [], []
@@ -254,10 +265,17 @@ class ModelRunner:
                                   None if u is None else u[:, j])
             tokens.append(token)
             probs.append(q)
+            if j + 1 < k and stop > 0 and self._unsure(logits[:, 0], stop):
+                break
             if j + 1 < k:
                 ids, pos = token[:, None], (next_pos + j)[:, None]
                 valid, counts = torch.ones_like(ids, dtype=torch.bool), [1] * len(seqs)
         return torch.stack(tokens, 1), (None if probs[0] is None else torch.stack(probs, 1))
+
+    @staticmethod
+    def _unsure(logits: torch.Tensor, stop: float) -> bool:
+        """Whether every row's draft gives its likeliest token less than `stop` (a host read)."""
+        return bool((logits.float().softmax(-1).amax(-1) < stop).all())
 
     def _coupled(self, rows: RowSampling) -> bool:
         """True when tokens are argmaxes (greedy, or gumbel noise) and acceptance is agreement."""

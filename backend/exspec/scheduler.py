@@ -257,8 +257,11 @@ class Scheduler:
             k = self.adaptive.choose(group, k)
         return k
 
-    def observe(self, group: Group, k: int, seconds: float, accepted: list[int]) -> None:
+    def observe(self, group: Group, k: int, drafted: int, seconds: float,
+                accepted: list[int]) -> None:
+        """A step planned at k ran `drafted` drafts (fewer when its round stopped early): its
+        cost and acceptance count at `drafted`; the group keeps k as its current choice."""
         group.k = k
         group.plain_steps_in_a_row = group.plain_steps_in_a_row + 1 if k == 0 else 0
         if self.adaptive is not None:
-            self.adaptive.observe(len(group), k, seconds, accepted)
+            self.adaptive.observe(len(group), drafted, seconds, accepted)

@@ -13,6 +13,7 @@ import torch
 from exspec import EngineConfig, LLMEngine, SamplingParams, compiled
 from exspec.demo.tiny import build_tokenizer
 from exspec.models import ModelPair
+from exspec.scheduler import AdaptiveK
 
 from conftest import _load, make_engine, make_prompts, run_schedule
 from tiny_archs import build, greedy_reference
@@ -52,10 +53,12 @@ IN_CI = {("llama", 1, 1, "exspec"), ("llama", 3, 3, "eqspec"), ("gpt2", 1, 3, "e
          ("gpt2", 3, 1, "eqspec"), ("gpt2", 3, 3, "exspec")}
 
 
-def compiled_outputs(pairs, arch, batch, k, method, prompts, max_tokens):
+def compiled_outputs(pairs, arch, batch, k, method, prompts, max_tokens, engine_out=None, **config):
     engine = make_engine(pairs, arch, "noisy", method=method, max_batch_size=batch,
-                         num_speculative_tokens=k, enforce_eager=False)
+                         num_speculative_tokens=k, enforce_eager=False, **config)
     assert engine.warm_up is not None and engine.warm_up.graphs > 0, "nothing was compiled"
+    if engine_out is not None:
+        engine_out.append(engine)
     return engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
 
 
@@ -69,6 +72,21 @@ def test_compiled_path_matches_target_greedy(pairs, reference, arch, batch, k, m
         assert out.error is None, out.error
         assert out.token_ids == ref, (f"{arch} {method} B={batch} k={k} row {i}: got "
                                       f"{out.token_ids}, expected {ref}")
+
+
+def test_compiled_rounds_stopped_at_an_unsure_draft_match_target_greedy(pairs, reference, monkeypatch):
+    """Adaptive k's confidence stop on the compiled path: shorter rounds, the same tokens."""
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap: cap)
+    prompts = [p for p in make_prompts(320, pairs["gpt2", "eos"], seed=31, count=6) if len(p) > 1]
+    refs = [reference(pairs["gpt2", "target"], p, 16) for p in prompts]
+    assert_no_ties(pairs["gpt2", "target"], prompts, refs)
+    engines = []
+    outs = compiled_outputs(pairs, "gpt2", 3, 3, "exspec", prompts, 16, engines,
+                            adaptive_k=True, draft_stop_confidence=0.2)
+    assert [o.token_ids for o in outs] == refs
+    stats = engines[0].stats()
+    ks = {s["k"] for s in stats["steps_by_shape"]}
+    assert stats["draft_stopped_steps"] > 0 and 3 in ks and ks - {3}, stats["steps_by_shape"]
 
 
 def test_broken_compiled_forward_fails_equivalence(pairs, reference, monkeypatch):

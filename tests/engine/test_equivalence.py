@@ -10,6 +10,7 @@ import itertools
 import pytest
 
 from exspec import SamplingParams
+from exspec.scheduler import AdaptiveK
 
 from conftest import GPT2_MAX_POS, assert_equivalent, make_engine, make_prompts
 
@@ -68,3 +69,22 @@ def test_exspec_and_eqspec_give_identical_outputs(pairs):
         engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=4)
         results[method] = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=30))]
     assert results["eqspec"] == results["exspec"]
+
+
+@pytest.mark.parametrize("method,batch", [("eqspec", 8), ("exspec", 1), ("exspec", 4)])
+def test_rounds_stopped_at_an_unsure_draft_match_target_greedy(pairs, reference, monkeypatch,
+                                                               method, batch):
+    """Adaptive k's confidence stop: a round of drafts ends at a draft token its draft gives
+    less than draft_stop_confidence, and the target verifies the shorter round. k is pinned at
+    its cap (the choice is not under test); the threshold stops some rounds mid-way, not all."""
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap: cap)
+    prompts = make_prompts(320, pairs["gpt2", "eos"], seed=41, count=12)
+    max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
+    engine = make_engine(pairs, "gpt2", "noisy", method=method, adaptive_k=True,
+                         draft_stop_confidence=0.2, max_batch_size=batch, max_num_seqs=16)
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+    assert_equivalent(outs, prompts, max_tokens, reference, pairs["gpt2", "target"], GPT2_MAX_POS,
+                      label=f"{method} B={batch} stopped rounds")
+    stats = engine.stats()
+    ks = {s["k"] for s in stats["steps_by_shape"]}
+    assert stats["draft_stopped_steps"] > 0 and 5 in ks and ks - {5}, stats["steps_by_shape"]

@@ -11,7 +11,7 @@ import torch
 
 from exspec import SamplingParams
 from exspec.noise import uniforms
-from exspec.scheduler import Scheduler
+from exspec.scheduler import AdaptiveK, Scheduler
 
 from conftest import GPT2_MAX_POS, assert_seeded_equivalent, make_engine, make_prompts, run_schedule
 
@@ -70,6 +70,21 @@ def test_any_k_schedule_gives_the_same_tokens(pairs, seeded_reference, monkeypat
     rows = generate_rows(engine, prompts, params)
     assert assert_seeded_equivalent(rows, seeded_reference, pairs["llama", "target"]) == 0
     assert engine.stats()["plain_steps"] > 0 and engine.stats()["draft_tokens"] > 0
+
+
+def test_rounds_stopped_at_an_unsure_draft_keep_seeded_output(pairs, seeded_reference, monkeypatch):
+    """Adaptive k's confidence stop under the gumbel coupling: a round that ends early
+    verifies fewer positions, each with its own noise, so the tokens stay the target's."""
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap: cap)
+    prompts = make_prompts(320, pairs["gpt2", "eos"], seed=43, count=10)
+    params = seeded_params(len(prompts), first_seed=11)
+    engine = make_engine(pairs, "gpt2", "noisy", method="exspec", max_batch_size=4,
+                         adaptive_k=True, draft_stop_confidence=0.2)
+    rows = generate_rows(engine, prompts, params)
+    assert assert_seeded_equivalent(rows, seeded_reference, pairs["gpt2", "target"], GPT2_MAX_POS) <= 1
+    stats = engine.stats()
+    ks = {s["k"] for s in stats["steps_by_shape"]}
+    assert stats["draft_stopped_steps"] > 0 and 5 in ks and ks - {5}, stats["steps_by_shape"]
 
 
 @pytest.mark.parametrize("method", ["exspec", "eqspec"])
