@@ -39,7 +39,15 @@ class AdaptiveK:
     estimated per sequence (and pool-wide, as the prior for new sequences) as
     accepted / (accepted + rejections) over recent steps.
     Step cost is an exponential moving average of measured step times per (batch-size bucket,
-    k); a bucket not yet measured at some k borrows the nearest measured bucket's cost at that k
+    k), kept relative to the machine's speed. A host's speed drifts (this CI machine's by +-15%
+    over minutes, every op alike), and costs measured at different moments would otherwise
+    compare k's at different speeds: a k timed in a slow minute lost to a stale, fast timing of
+    its neighbour, and k moved off its best with nothing changed but the machine. So each
+    step's time against its own k's cost moves `speed` (SPEED_EMA) more than that cost (EMA),
+    and a drift shifts every k alike. What one k's timings alone cannot tell apart from a drift
+    (that k, and only it, got costlier) is settled by a refresh: after REFRESH_EVERY steps
+    without a timing of the runner-up, one step runs at it, and that timing, taken at today's
+    speed, replaces most of its stale cost (REFRESH_WEIGHT). A bucket not yet measured at some k borrows the nearest measured bucket's cost at that k
     (scaled by their plain-step costs), a k measured nowhere is interpolated in k from the
     bucket's measured k's (each extra draft token adds one draft forward and one verified
     column), and only a k that cannot be estimated at all is tried blind, so the table fills
@@ -54,7 +62,10 @@ class AdaptiveK:
     GAIN_TO_SWITCH = 1.10   # hysteresis: change k only for a 10% better expected rate
     EXPLORE_BONUS = 1.30    # optimism for a k not yet measured at this batch size
     PROBE_EVERY = 8         # plain steps before speculation is tried again (doubles up to 256)
-    EMA = 0.2
+    EMA = 0.03              # of a (bucket, k)'s cost, per step measured at it
+    SPEED_EMA = 0.3         # of the machine's speed, per step (geometric)
+    REFRESH_EVERY = 32      # steps (this AdaptiveK's) before the runner-up k is timed again
+    REFRESH_WEIGHT = 0.5    # of a refreshed timing against the stale cost it replaces
     DECAY = 0.9             # of the pool-wide acceptance counts, per speculative step
     HAZARD_DECAY = 0.98     # of the per-draft counts, per row-step (a memory of ~50 row-steps)
     STALE_DECAY = 0.95      # of the counts of drafts beyond the step's k, per row-step
@@ -62,7 +73,10 @@ class AdaptiveK:
 
     def __init__(self, max_k: int):
         self.max_k = max_k
-        self.step_time: dict[tuple[int, int], float] = {}   # (bucket, k) -> seconds
+        self.step_time: dict[tuple[int, int], float] = {}   # (bucket, k) -> seconds at speed 1
+        self.speed = 1.0   # how much slower the machine runs now than when costs began
+        self.steps = 0     # observed steps, the clock of `timed_at`
+        self.timed_at: dict[tuple[int, int], int] = {}     # (bucket, k) -> step of its last timing
         self.recent_accepted, self.recent_rejections = 7.0, 3.0   # prior: acceptance 0.7
         self.probe_every = self.PROBE_EVERY
         # decayed counts per draft depth j (index j - 1): rows whose draft j was verified, and
@@ -147,12 +161,28 @@ class AdaptiveK:
         choice = best if rates[best] > rates[current] * self.GAIN_TO_SWITCH else current
         if choice > 0 and current > 0:
             self.probe_every = self.PROBE_EVERY   # speculation pays again: probe eagerly
+        if choice == current > 0:
+            runner_up = max((k for k in rates if k != current), key=rates.get, default=None)
+            if runner_up is not None and self._stale((here, runner_up)):
+                return runner_up   # one step, to compare both at today's speed
         return choice
+
+    def _stale(self, key: tuple[int, int]) -> bool:
+        """Timed once, but not in the last REFRESH_EVERY steps."""
+        return key in self.timed_at and self.steps - self.timed_at[key] > self.REFRESH_EVERY
 
     def observe(self, batch: int, k: int, seconds: float, accepted: list[int]) -> None:
         key = (self.bucket(batch), k)
         old = self.step_time.get(key)
-        self.step_time[key] = seconds if old is None else old + self.EMA * (seconds - old)
+        if old is None:
+            self.step_time[key] = seconds / self.speed
+        elif self._stale(key):   # a refresh: its cost is what is out of date, not the speed
+            self.step_time[key] = old + self.REFRESH_WEIGHT * (seconds / self.speed - old)
+        else:
+            self.speed *= (seconds / (old * self.speed)) ** self.SPEED_EMA
+            self.step_time[key] = old + self.EMA * (seconds / self.speed - old)
+        self.steps += 1
+        self.timed_at[key] = self.steps
         if k > 0:
             self.recent_accepted = self.DECAY * self.recent_accepted + sum(accepted)
             self.recent_rejections = (self.DECAY * self.recent_rejections
