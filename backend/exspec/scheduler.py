@@ -77,6 +77,7 @@ class AdaptiveK:
         self.speed = 1.0   # how much slower the machine runs now than when costs began
         self.steps = 0     # observed steps, the clock of `timed_at`
         self.timed_at: dict[tuple[int, int], int] = {}     # (bucket, k) -> step of its last timing
+        self.refresh_k: int | None = None   # the k of the last choice, if it was a refresh
         self.recent_accepted, self.recent_rejections = 7.0, 3.0   # prior: acceptance 0.7
         self.probe_every = self.PROBE_EVERY
         # decayed counts per draft depth j (index j - 1): rows whose draft j was verified, and
@@ -161,10 +162,12 @@ class AdaptiveK:
         choice = best if rates[best] > rates[current] * self.GAIN_TO_SWITCH else current
         if choice > 0 and current > 0:
             self.probe_every = self.PROBE_EVERY   # speculation pays again: probe eagerly
+        self.refresh_k = None
         if choice == current > 0:
             runner_up = max((k for k in rates if k != current), key=rates.get, default=None)
             if runner_up is not None and self._stale((here, runner_up)):
-                return runner_up   # one step, to compare both at today's speed
+                self.refresh_k = runner_up   # one step, to compare both at today's speed;
+                return runner_up             # the group's current k stays (Scheduler.observe)
         return choice
 
     def _stale(self, key: tuple[int, int]) -> bool:
@@ -290,8 +293,10 @@ class Scheduler:
     def observe(self, group: Group, k: int, drafted: int, seconds: float,
                 accepted: list[int]) -> None:
         """A step planned at k ran `drafted` drafts (fewer when its round stopped early): its
-        cost and acceptance count at `drafted`; the group keeps k as its current choice."""
-        group.k = k
+        cost and acceptance count at `drafted`; the group keeps k as its current choice (a
+        refresh's k excepted: that step only re-timed the runner-up)."""
+        if self.adaptive is None or self.adaptive.refresh_k != k:
+            group.k = k
         group.plain_steps_in_a_row = group.plain_steps_in_a_row + 1 if k == 0 else 0
         if self.adaptive is not None:
             self.adaptive.observe(len(group), drafted, seconds, accepted)
