@@ -3,12 +3,14 @@ DESIGN §3.8 schema, shares within [0, 1], and exact equivalence of the speculat
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 pytest.importorskip("matplotlib")
 
-from exspec.bench.cli import main  # noqa: E402
+from exspec.bench.cli import main, rotated  # noqa: E402
+from exspec.bench.report import paired, ratio  # noqa: E402
 from exspec.demo.tiny import build_demo_pair  # noqa: E402
 
 NUMBER = (int, float)
@@ -82,6 +84,7 @@ def test_adaptive_k_is_compared_with_every_fixed_k(bench_run):
     rows = [line for line in table.splitlines() if line.startswith("| exspec (adaptive") or
             line.startswith("| eqspec (adaptive")]
     assert len(rows) == 4, table
+    assert all(re.search(r"\| \d+\.\d\d \(\d+\.\d\d\) \|", row) for row in rows), table   # with the paired ratio
 
 
 def test_bench_writes_the_three_files(bench_run):
@@ -184,3 +187,21 @@ def test_both_decode_paths_in_one_run(bench_inputs, monkeypatch):
     warm = results["paths"]["warm_up"]
     assert warm and sum(w["graphs"] for w in warm) > 0 and all(w["graph_breaks"] == 0 for w in warm)
     assert "Eager against compiled" in (out / "results.md").read_text()
+
+
+def test_each_repeat_rotates_the_order_of_the_cells():
+    """Over as many repeats as cells, every cell runs once at every point of a repeat."""
+    keys = ["a", "b", "c", "d"]
+    orders = [rotated(keys, r) for r in range(len(keys))]
+    assert all(sorted(order) == keys for order in orders)
+    for position in range(len(keys)):
+        assert sorted(order[position] for order in orders) == keys
+
+
+def test_paired_ratio_compares_runs_of_the_same_repeat():
+    """Per repeat 2.0, 0.5, 2.0: paired median 2.0, where the medians' ratio is 200 / 150."""
+    a, b = {"tokens_per_s_runs": [100, 200, 300]}, {"tokens_per_s_runs": [50, 400, 150]}
+    assert paired(a, b) == 2.0
+    a["tokens_per_s"], b["tokens_per_s"] = 200, 150
+    assert ratio(a, b) == "1.33 (2.00)"
+    assert ratio(a, None) == "–"

@@ -5,7 +5,8 @@ Methods: the engine's `autoregressive`, `eqspec` and `exspec`, and two Hugging F
 `hf_generate` (batched, left-padded, greedy, no draft) and `hf_assisted` (assisted generation
 with the draft, batch size 1 only). Every run puts the same prompts (token ids, so every method
 sees identical inputs) through one method at one batch size; within each batch size the methods
-are interleaved (A B C A B C ...) over --repeats runs, after one untimed run of the same
+are interleaved over --repeats runs, the order rotated each repeat (A B C, B C A, C A B, ...) so
+that no method always runs at the same point of a repeat, after one untimed run of the same
 workload per method, and the median tokens/s is reported.
 
 Output equivalence is measured against target-only greedy Hugging Face `generate` at batch
@@ -94,6 +95,13 @@ def cell_keys(methods: list[str], batch_size: int, k: int,
                 ks = fixed_ks if fixed_ks and method != "hf_assisted" else [k]
                 keys += [CellKey(method, batch_size, kk, False, coupling, path) for kk in ks]
     return keys
+
+
+def rotated(keys: list, repeat: int) -> list:
+    """Repeat r's order: the keys rotated by r. This machine's speed drifts within seconds, and
+    a method always run right after a heavy one, or first in a repeat, would carry that bias."""
+    shift = repeat % len(keys) if keys else 0
+    return keys[shift:] + keys[:shift]
 
 
 def summarize(key: CellKey, runs: list[Run], reference: Reference,
@@ -337,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                 # adaptive k exploring in the timed runs)
                 methods[key].run(prompts, args.max_tokens)
                 bar.update()
-            for r in range(args.repeats):          # interleaved: A B C A B C ...
-                for key in keys:
+            for r in range(args.repeats):
+                for key in rotated(keys, r):
                     bar.set_postfix_str(f"B={batch_size} run {r + 1}/{args.repeats} {key.label}")
                     run = methods[key].run(prompts, args.max_tokens)
                     if run.stats is not None:   # sample its forward shapes under today's load

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import warnings
 from pathlib import Path
 
@@ -118,6 +119,18 @@ def findings(cells: list[dict]) -> list[str]:
     return lines
 
 
+def paired(a: dict, b: dict) -> float:
+    """Median over repeats of a's tokens/s ÷ b's in the same repeat."""
+    return statistics.median(x / y for x, y in zip(a["tokens_per_s_runs"], b["tokens_per_s_runs"]))
+
+
+def ratio(a: dict | None, b: dict | None) -> str:
+    """a ÷ b: the ratio of their medians, and in brackets their paired ratio."""
+    if not a or not b:
+        return "–"
+    return f"{_num(a['tokens_per_s'] / b['tokens_per_s'])} ({_num(paired(a, b))})"
+
+
 def adaptive_against_fixed(cells: list[dict]) -> list[str]:
     """Adaptive k against the best fixed k of the same method, coupling and batch size (and, at
     B = 1, against Hugging Face assisted generation's own adaptive schedule)."""
@@ -136,14 +149,17 @@ def adaptive_against_fixed(cells: list[dict]) -> list[str]:
                    and h["batch_size"] == c["batch_size"]), None)
         lines.append(f"| {label(c)} | {c['batch_size']} | {_num(c['tokens_per_s'], 1)} "
                      f"| k={best['k']}: {_num(best['tokens_per_s'], 1)} "
-                     f"| {_num(c['tokens_per_s'] / best['tokens_per_s'])} "
+                     f"| {ratio(c, best)} "
                      f"| {_num(c['tokens_per_s'] / ar['tokens_per_s']) if ar else '–'} "
-                     f"| {_num(c['tokens_per_s'] / hf['tokens_per_s']) if hf else '–'} |")
+                     f"| {ratio(c, hf)} |")
     if not lines:
         return []
-    return ["## Adaptive k against the best fixed k", "",
-            "| cell | B | adaptive tokens/s | best fixed k | adaptive ÷ best fixed | ÷ autoregressive "
-            "| ÷ HF assisted (adaptive) |", "|---|---|---|---|---|---|---|"] + lines + [""]
+    return (["## Adaptive k against the best fixed k", "",
+             "| cell | B | adaptive tokens/s | best fixed k | adaptive ÷ best fixed (paired) "
+             "| ÷ autoregressive | ÷ HF assisted (adaptive) (paired) |", "|---|---|---|---|---|---|---|"]
+            + lines + ["", "Ratios of the cells' medians; in brackets the median of the ratios of the "
+                       "two cells' runs in the same repeat (each repeat runs every cell once, close "
+                       "in time, so a drift of the machine's speed over the run cancels).", ""])
 
 
 def sampling(cfg: dict) -> str:
