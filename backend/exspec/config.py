@@ -39,9 +39,11 @@ class EngineConfig:
     method: str = "exspec"                # exspec | eqspec | autoregressive
     num_speculative_tokens: int = 5       # k; per-request values may lower it
     adaptive_k: bool = True               # choose k per group from measured acceptance
-    draft_stop_confidence: float | None = None   # adaptive k: a round of drafts ends at a draft
-                                          # token its draft gives less than this; None: 0.4 on
-                                          # CPU, 0 (off) on a GPU, where each check is a host read
+    draft_stop_confidence: float | str | None = None   # adaptive k: a round of drafts ends at
+                                          # a draft token its draft gives less than this; "auto":
+                                          # the break-even confidence, from measurements
+                                          # (draft_stop.py); None: "auto" on CPU, 0 (off) on a
+                                          # GPU, where each check is a host read
     max_batch_size: int = 8               # rows verified in one step
     max_num_seqs: int = 64                # sequences holding KV state in the pool
     max_num_kv_tokens: int | None = None  # KV entries (both models) in the pool; None = no limit on CPU
@@ -116,11 +118,11 @@ class EngineConfig:
                              f"got {self.stream_granularity!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
-        if self.draft_stop_confidence is not None and (
+        if self.draft_stop_confidence not in (None, "auto") and (
                 isinstance(self.draft_stop_confidence, bool)
                 or not isinstance(self.draft_stop_confidence, (int, float))
                 or not 0 <= self.draft_stop_confidence < 1):
-            raise ValueError(f"draft_stop_confidence must be a number in [0, 1), "
+            raise ValueError(f"draft_stop_confidence must be \"auto\" or a number in [0, 1), "
                              f"got {self.draft_stop_confidence!r}")
         if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
             raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
@@ -159,13 +161,16 @@ class EngineConfig:
         return cls(**values)
 
     @property
-    def draft_stop(self) -> float:
-        """The draft confidence below which a round of drafts ends (0: never; fixed k never)."""
+    def draft_stop(self) -> float | str:
+        """The draft confidence below which a round of drafts ends: "auto" (draft_stop.py) or a
+        number (0: never; fixed k never)."""
         if not self.adaptive_k:
             return 0.0
+        if self.draft_stop_confidence == "auto":
+            return "auto"
         if self.draft_stop_confidence is not None:
             return float(self.draft_stop_confidence)
-        return 0.4 if self.device == "cpu" else 0.0
+        return "auto" if self.device == "cpu" else 0.0
 
     @property
     def speculative(self) -> bool:

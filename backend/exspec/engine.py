@@ -96,7 +96,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_,
                                   layout, self.faults,
                                   PaddedVocab.of(self.target, self.draft, self.tokenizer, pad_id),
-                                  config.sampling_coupling, config.draft_stop)
+                                  config.sampling_coupling)
         self.pool = SequencePool(config, self.runner, self.stats_)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)

@@ -160,10 +160,10 @@ class SequencePool:
             # No device sync around it: the step ends in its one device-to-host copy, so
             # by the time it returns its GPU work is done.
             start, catch_up = time.perf_counter(), self.stats.seconds["prefill"]
-            result = self.runner.step(group, k)
+            result = self.runner.step(group, k, self.scheduler.stop_for(group, k))
             # the step's cost at this k, without a one-off draft catch-up prefill
             seconds = time.perf_counter() - start - (self.stats.seconds["prefill"] - catch_up)
-            self.scheduler.observe(group, k, result.k, seconds, result.num_accepted)
+            self.scheduler.observe(group, k, result, seconds)
             group.steps += 1
             self._retire()
             if group in self.groups:   # EQSPEC realigns now; EXSPEC's layout has nothing to move

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .draft_stop import confidence_bins
 from .faults import Faults
 from .group import Group
 from .kv import PaddedKV
@@ -28,19 +29,17 @@ from .vocab import PaddedVocab, logit_rows
 class StepResult:
     committed: list[list[int]]   # per row, after stop truncation
     num_accepted: list[int]      # per row, accepted drafts (before stop truncation)
-    k: int
+    k: int                       # drafts per row this step ran (fewer than planned if stopped)
+    confidence_bins: list[list[int]] | None = None   # per row, its drafts' (with `stop`)
 
 
 class ModelRunner:
     def __init__(self, target, draft, pad_id: int, device: str, stats: Stats, kv_layout=PaddedKV,
                  faults: Faults | None = None, vocab: PaddedVocab | None = None,
-                 coupling: str = "gumbel", draft_stop: float = 0.0):
+                 coupling: str = "gumbel"):
         self.faults = faults or Faults(None)
         self.vocab = vocab           # set when draft and target differ by padding rows
         self.coupling = coupling     # "gumbel" or "rejection" (sampler.py)
-        # a round of drafts ends early once every row's draft is less sure than this of its
-        # token (0: always k drafts); a host read per draft token, so off on a GPU by default
-        self.draft_stop = draft_stop
         # Gumbel noise covers the wider vocabulary of the two (a padded target's, say)
         self.noise_width = max(logit_rows(m) for m in (target, draft) if m is not None)
         self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or kv_blocks.BlockStores (EXSPEC)
@@ -175,7 +174,10 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, group: Group, k: int) -> StepResult:
+    def step(self, group: Group, k: int, stop: list[float] | None = None) -> StepResult:
+        """One speculative step at k (0: plain). `stop` (draft_stop.py), per draft depth
+        1 .. k-1: a confidence below which, in every row, the round ends after that draft; with
+        it the draft's confidences are measured and returned (a host read per draft token)."""
         seqs = group.seqs
         rows = group.sampling(self.device, self.transfers.to_device)
         coupled = self._coupled(rows)
@@ -187,7 +189,7 @@ class ModelRunner:
         # tokens per row), per row the pending token, its position and the row's k cap, and the
         # block table of a cache whose rows just took new blocks (as columns).
         per_row = [[s.pending_token for s in seqs], [s.num_tokens - 1 for s in seqs],
-                   [self._row_k(s, k) for s in seqs]]
+                   [s.drafts_at(k) for s in seqs]]
         tables = [(kv, table) for kv in (group.target_kv, group.draft_kv if k > 0 else None)
                   if kv is not None and (table := kv.table_rows_for(k + 1)) is not None]
         per_row += [list(column) for _, table in tables for column in zip(*table)]
@@ -202,12 +204,15 @@ class ModelRunner:
 
         if k > 0:
             with self.stats.timer("draft"):
-                draft_tokens, q = self._draft(group, k, rows, u, noise, draft_in[:4], start + 1,
-                                              stop=self.draft_stop if coupled else 0.0)
+                draft_tokens, q, bins = self._draft(group, k, rows, u, noise, draft_in[:4], start + 1,
+                                                    stop if coupled else None)
             if draft_tokens.shape[1] < k:   # the round stopped at an unsure draft
                 self.stats.add("draft_stopped_steps")
                 k = draft_tokens.shape[1]
                 noise = None if noise is None else noise[:, :k + 1]
+
+        else:
+            bins = None
 
         with self.stats.timer("verify"):
             ids = pending[:, None] if k == 0 else torch.cat([pending[:, None], draft_tokens], dim=1)
@@ -226,12 +231,13 @@ class ModelRunner:
                 num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
             lp = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
             # the step's one device-to-host copy
-            host = self.transfers.to_host(torch.cat([num_accepted[:, None], tokens], dim=1))
+            host = self.transfers.to_host(torch.cat([num_accepted[:, None], tokens]
+                                                    + ([] if bins is None else [bins]), dim=1))
 
         committed, accepted = [], []
         target_cut, draft_cut = [], []
         for row, seq in enumerate(seqs):
-            a = min(host[row][0], self._row_k(seq, k))
+            a = min(host[row][0], seq.drafts_at(k))
             m = seq.num_tokens
             accepted.append(a)
             committed.append(seq.append(host[row][1:a + 2], lp[row] and lp[row][:a + 1]))
@@ -247,35 +253,36 @@ class ModelRunner:
         if k > 0:
             group.draft_kv.drop_tail(draft_cut, (k - 1 - kept).clamp_min(0))
         self._count(seqs, k, accepted, committed)
-        return StepResult(committed, accepted, k)
+        return StepResult(committed, accepted, k,
+                          None if bins is None else [row[k + 2:] for row in host])
 
     def _draft(self, group: Group, k: int, rows: RowSampling, u: torch.Tensor | None,
-               noise: torch.Tensor | None, first_input, next_pos: torch.Tensor, stop: float = 0.0):
-        """k draft tokens per row (and their distributions when sampling), feeding the draft
-        only what its cache lacks (`first_input`: ids, positions, validity, counts). With `stop`
-        > 0, fewer: the round ends after a draft token that every row's draft gives less than
-        `stop` of its probability (HF assisted generation's assistant_confidence_threshold); the
+               noise: torch.Tensor | None, first_input, next_pos: torch.Tensor,
+               stop: list[float] | None = None):
+        """k draft tokens per row (their distributions when sampling, and with `stop` their
+        confidence bins), feeding the draft only what its cache lacks (`first_input`: ids,
+        positions, validity, counts). With `stop`, maybe fewer: the round ends after draft j
+        once every row's draft gives its token less than stop[j - 1] of its probability; the
         verification's answer does not depend on how many drafts it checks."""
         seqs = group.seqs
         ids, pos, valid, counts = first_input
-        tokens, probs = [], []
+        tokens, probs, bins = [], [], []
         for j in range(k):
             logits = self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)
             token, q = self._pick(logits[:, 0], rows, seqs, None if noise is None else noise[:, j:j + 1],
                                   None if u is None else u[:, j])
             tokens.append(token)
             probs.append(q)
-            if j + 1 < k and stop > 0 and self._unsure(logits[:, 0], stop):
-                break
+            if stop is not None:
+                confidence, b = confidence_bins(logits[:, 0])
+                bins.append(b)
+                if j + 1 < k and stop[j] > 0 and bool((confidence < stop[j]).all()):
+                    break
             if j + 1 < k:
                 ids, pos = token[:, None], (next_pos + j)[:, None]
                 valid, counts = torch.ones_like(ids, dtype=torch.bool), [1] * len(seqs)
-        return torch.stack(tokens, 1), (None if probs[0] is None else torch.stack(probs, 1))
-
-    @staticmethod
-    def _unsure(logits: torch.Tensor, stop: float) -> bool:
-        """Whether every row's draft gives its likeliest token less than `stop` (a host read)."""
-        return bool((logits.float().softmax(-1).amax(-1) < stop).all())
+        return (torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1),
+                torch.stack(bins, 1) if bins else None)
 
     def _coupled(self, rows: RowSampling) -> bool:
         """True when tokens are argmaxes (greedy, or gumbel noise) and acceptance is agreement."""
@@ -290,11 +297,6 @@ class ModelRunner:
         q = probs_from_logits(logits[:, None], rows)[:, 0]
         u = self._uniforms(seqs, 1)[:, 0] if u is None else u
         return sample(q, u), q
-
-    @staticmethod
-    def _row_k(seq: Sequence, k: int) -> int:
-        cap = seq.params.num_speculative_tokens
-        return k if cap is None else min(k, cap)
 
     def _count(self, seqs, k, accepted, committed) -> None:
         s = self.stats

@@ -9,10 +9,15 @@ realignment in EXSPEC's cache layout, so a group stays together until its rows f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .config import EngineConfig
+from .draft_stop import DraftStop
 from .group import Group
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .runner import StepResult
 
 
 @dataclass
@@ -209,6 +214,9 @@ class Scheduler:
         self.exspec = config.method == "exspec"
         self.adaptive = AdaptiveK(config.num_speculative_tokens) if (
             self.speculative and config.adaptive_k) else None
+        stop = config.draft_stop   # 0: off, "auto", or a fixed confidence
+        self.draft_stop = DraftStop(None if stop == "auto" else stop) if (
+            self.adaptive is not None and stop) else None
         self.entries_for = entries_for      # KV entries the layout allocates a row of n tokens
         self.models = 2 if has_draft else 1   # the runner prefills the draft whenever it has one
 
@@ -290,13 +298,23 @@ class Scheduler:
             k = self.adaptive.choose(group, k)
         return k
 
-    def observe(self, group: Group, k: int, drafted: int, seconds: float,
-                accepted: list[int]) -> None:
-        """A step planned at k ran `drafted` drafts (fewer when its round stopped early): its
-        cost and acceptance count at `drafted`; the group keeps k as its current choice (a
+    def stop_for(self, group: Group, k: int) -> list[float] | None:
+        """The step's draft-stop thresholds per draft depth 1 .. k-1 (None: no stop)."""
+        if self.draft_stop is None or k < 2:
+            return None
+        batch = len(group)
+        hazards = self.adaptive.hazards(group.acceptance(self.adaptive.acceptance))
+        return self.draft_stop.thresholds(k, hazards, lambda j: self.adaptive.cost(batch, j))
+
+    def observe(self, group: Group, k: int, result: StepResult, seconds: float) -> None:
+        """A step planned at k ran result.k drafts (fewer when its round stopped early): its
+        cost and acceptance count at result.k; the group keeps k as its current choice (a
         refresh's k excepted: that step only re-timed the runner-up)."""
         if self.adaptive is None or self.adaptive.refresh_k != k:
             group.k = k
         group.plain_steps_in_a_row = group.plain_steps_in_a_row + 1 if k == 0 else 0
         if self.adaptive is not None:
-            self.adaptive.observe(len(group), drafted, seconds, accepted)
+            self.adaptive.observe(len(group), result.k, seconds, result.num_accepted)
+        if self.draft_stop is not None and result.confidence_bins is not None:
+            caps = [s.drafts_at(result.k) for s in group.seqs]
+            self.draft_stop.observe(result.confidence_bins, result.num_accepted, caps)

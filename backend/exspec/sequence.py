@@ -102,6 +102,11 @@ class Sequence:
         texts, self.token_texts = self.token_texts, []
         return texts
 
+    def drafts_at(self, k: int) -> int:
+        """Drafts this row may have verified in a step at k (its own num_speculative_tokens caps it)."""
+        cap = self.params.num_speculative_tokens
+        return k if cap is None else min(k, cap)
+
     def observe_acceptance(self, accepted: int, proposed: int, decay: float = 0.8) -> None:
         self.num_draft_tokens += proposed
         self.num_accepted_draft_tokens += accepted

@@ -88,3 +88,25 @@ def test_rounds_stopped_at_an_unsure_draft_match_target_greedy(pairs, reference,
     stats = engine.stats()
     ks = {s["k"] for s in stats["steps_by_shape"]}
     assert stats["draft_stopped_steps"] > 0 and 5 in ks and ks - {5}, stats["steps_by_shape"]
+
+
+@pytest.mark.parametrize("method,batch", [("eqspec", 4), ("exspec", 1)])
+def test_auto_draft_stop_calibrates_on_every_verified_draft_and_matches_target_greedy(
+        pairs, reference, monkeypatch, method, batch):
+    """The "auto" stop (draft_stop.py) sees each step's draft confidences through the step's
+    one device-to-host copy: with its decay off, the accepted drafts it counted are exactly the
+    engine's accepted_tokens, and outputs stay the target's greedy ones."""
+    from exspec.draft_stop import DraftStop
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap: cap)
+    monkeypatch.setattr(DraftStop, "DECAY", 1.0)
+    prompts = make_prompts(320, pairs["gpt2", "eos"], seed=43, count=8)
+    max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
+    engine = make_engine(pairs, "gpt2", "noisy", method=method, adaptive_k=True,
+                         draft_stop_confidence="auto", max_batch_size=batch, max_num_seqs=16)
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+    assert_equivalent(outs, prompts, max_tokens, reference, pairs["gpt2", "target"], GPT2_MAX_POS,
+                      label=f"{method} B={batch} auto stop")
+    stats, stop = engine.stats(), engine.pool.scheduler.draft_stop
+    assert min(s["k"] for s in stats["steps_by_shape"]) >= 2, stats["steps_by_shape"]   # all observed
+    assert sum(stop.accepted) == pytest.approx(stats["accepted_tokens"])
+    assert stats["accepted_tokens"] < sum(stop.verified) <= stats["draft_tokens"]

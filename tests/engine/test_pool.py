@@ -10,6 +10,7 @@ import pytest
 from exspec import EngineBusyError, SamplingParams
 from exspec import kv as kv_module
 from exspec import kv_blocks
+from exspec.draft_stop import DraftStop
 from exspec.runner import ModelRunner
 from exspec.scheduler import AdaptiveK, Scheduler
 
@@ -160,10 +161,10 @@ def test_no_sequence_waits_longer_than_the_fairness_bound(pairs):
 def test_a_failing_group_fails_alone(pairs, reference, monkeypatch):
     original = ModelRunner.step
 
-    def flaky(self, group, k):
+    def flaky(self, group, k, stop=None):
         if any(s.request_id == "poison" for s in group.seqs):
             raise RuntimeError("injected forward failure")
-        return original(self, group, k)
+        return original(self, group, k, stop)
 
     monkeypatch.setattr(ModelRunner, "step", flaky)
     engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2, max_num_seqs=8)
@@ -378,3 +379,34 @@ def test_injected_crash_escapes_the_tick_and_bad_fault_keys_are_refused(pairs):
         engine.step()
     with pytest.raises(ValueError, match="unknown fault_injection keys: explode"):
         make_engine(pairs, "llama", "noisy", fault_injection={"explode": 1})
+
+
+def test_draft_stop_ends_a_round_only_where_drafting_on_does_not_pay():
+    """Calibrated: drafts the draft is 10-20% sure of are always rejected, 80-90% sure ones
+    always accepted. With costly drafts the round ends after an unsure draft at every depth
+    (threshold above 0.2), never after a sure one (threshold at most 0.8); with drafts almost
+    free it never ends early; a depth whose round cost is unknown never stops."""
+    stop = DraftStop()
+    for _ in range(50):
+        stop.observe([[1], [8]], [0, 1], [1, 1])
+    calibrated = stop.acceptance_by_bin()
+    assert calibrated[1] < 0.1 and calibrated[8] > 0.9
+    assert calibrated == sorted(calibrated)   # non-decreasing in confidence
+    hazards = [0.2] * 5
+    costly = stop.thresholds(5, hazards, lambda j: 1.0 + 0.2 * j)   # k = 5 still pays most
+    assert len(costly) == 4 and all(0.2 <= t <= 0.8 for t in costly), costly
+    assert stop.thresholds(5, hazards, lambda j: 1.0 + 0.001 * j) == [0.0] * 4
+    assert stop.thresholds(5, hazards, lambda j: None if j == 2 else 1.0 + 0.2 * j)[1] == 0.0
+    assert DraftStop(0.4).thresholds(5, hazards, lambda j: None) == [0.4] * 4
+
+
+def test_draft_stop_counts_only_drafts_the_target_verified():
+    """A row that accepted a of its drafts verified drafts 1 .. a+1 (within its own cap); the
+    drafts after a rejection were never checked and say nothing about confidence."""
+    stop = DraftStop()
+    stop.DECAY = 1.0
+    stop.observe([[9, 5, 3, 3]], [1], [4])     # draft 1 accepted, 2 rejected, 3 and 4 unverified
+    stop.observe([[9, 9, 9, 9]], [2], [2])     # a cap of 2: only drafts 1 and 2 count
+    assert stop.verified[9] == 3 and stop.accepted[9] == 3
+    assert stop.verified[5] == 1 and stop.accepted[5] == 0
+    assert stop.verified[3] == 0
