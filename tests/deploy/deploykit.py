@@ -1,5 +1,5 @@
-"""Shared pieces of the deploy suite (a plain module, not a conftest: the integration suite
-imports its own conftest by that name): rendering the Helm chart offline (helm-python-sdk), the
+"""Shared pieces of the deploy suite (a plain module, as each suite's kit is: a conftest is not
+importable by a name of its own): rendering the Helm chart offline (helm-python-sdk), the
 exspec metric registry read from the code, and the rule that a missing tool fails in CI
 (CI=true) and is skipped, with the reason, on a developer's machine."""
 from __future__ import annotations

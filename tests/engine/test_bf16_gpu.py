@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from exspec import EngineConfig, LLMEngine, SamplingParams
-from conftest import bf16_divergence, make_prompts
+from enginekit import bf16_divergence, make_prompts
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

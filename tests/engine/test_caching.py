@@ -6,7 +6,7 @@ import torch
 from exspec import SamplingParams
 from exspec.runner import ModelRunner
 
-from conftest import GPT2_MAX_POS, assert_equivalent, make_engine, make_prompts
+from enginekit import GPT2_MAX_POS, assert_equivalent, make_engine, make_prompts
 
 
 class FeedLog:

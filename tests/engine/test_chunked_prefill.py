@@ -6,7 +6,7 @@ import pytest
 from exspec import SamplingParams
 from exspec.runner import ModelRunner
 
-from conftest import make_engine, make_prompts
+from enginekit import make_engine, make_prompts
 
 BATCHED = 16          # max_num_batched_tokens
 K = 3                 # the 2 short rows step 2 x (K + 1) = 8 tokens: chunks of 8 beside them

@@ -15,7 +15,7 @@ from exspec.demo.tiny import build_tokenizer
 from exspec.models import ModelPair
 from exspec.scheduler import AdaptiveK
 
-from conftest import _load, make_engine, make_prompts, run_schedule
+from enginekit import _load, make_engine, make_prompts, run_schedule
 from tiny_archs import build, greedy_reference
 
 MIN_GAP = 1e-4   # below it a reference token is a float tie, and a flip would be no bug

@@ -12,7 +12,7 @@ from exspec import EngineConfig, SamplingParams
 from exspec.errors import ModelLoadError
 from exspec.models import check_spread
 
-from conftest import assert_equivalent, make_engine, make_prompts
+from enginekit import assert_equivalent, make_engine, make_prompts
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

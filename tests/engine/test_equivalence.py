@@ -12,7 +12,7 @@ import pytest
 from exspec import SamplingParams
 from exspec.scheduler import AdaptiveK
 
-from conftest import GPT2_MAX_POS, assert_equivalent, make_engine, make_prompts
+from enginekit import GPT2_MAX_POS, assert_equivalent, make_engine, make_prompts
 
 MAX_TOKENS = [24, 1, 40, 7, 32, 2, 24, 16]
 

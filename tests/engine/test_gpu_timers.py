@@ -7,7 +7,7 @@ import torch
 
 from exspec import SamplingParams
 
-from conftest import make_engine
+from enginekit import make_engine
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ import pytest
 from exspec import EngineBusyError, InvalidRequestError, SamplingParams, kv_blocks
 from exspec.scheduler import Scheduler
 
-from conftest import make_engine, make_prompts
+from enginekit import make_engine, make_prompts
 
 K = 5
 MAX_TOKENS = 60

@@ -11,7 +11,7 @@ import torch
 
 from exspec import EngineConfig, LLMEngine, SamplingParams
 
-from conftest import make_prompts
+from enginekit import make_prompts
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -5,7 +5,7 @@ import torch
 
 from exspec import SamplingParams
 
-from conftest import _load, make_engine
+from enginekit import _load, make_engine
 
 
 def _run(engine, requests: dict) -> dict:

@@ -10,7 +10,7 @@ import pytest
 
 from exspec import SamplingParams
 
-from conftest import make_engine, make_prompts
+from enginekit import make_engine, make_prompts
 
 
 @pytest.mark.parametrize("method", ["exspec", "eqspec", "autoregressive"])

@@ -12,7 +12,7 @@ from exspec import EngineConfig, LLMEngine, ModelLoadError, SamplingParams
 from exspec.demo.tiny import build_tokenizer, llama
 from exspec.models import ModelPair
 
-from conftest import make_prompts
+from enginekit import make_prompts
 
 REAL = 320
 MAX_TOKENS = 24

@@ -14,7 +14,7 @@ from exspec.draft_stop import DraftStop
 from exspec.runner import ModelRunner
 from exspec.scheduler import AdaptiveK, Scheduler
 
-from conftest import make_engine, make_prompts, run_schedule
+from enginekit import make_engine, make_prompts, run_schedule
 
 
 @pytest.mark.parametrize("method", ["exspec", "eqspec"])

@@ -4,7 +4,7 @@ import pytest
 from exspec import EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams
 from exspec.demo.tiny import build_tokenizer, llama
 
-from conftest import make_engine, make_prompts
+from enginekit import make_engine, make_prompts
 
 
 def test_eos_stops_and_ignore_eos_runs_on(pairs):

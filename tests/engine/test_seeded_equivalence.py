@@ -1,5 +1,5 @@
 """Seeded sampling under the gumbel coupling: the speculative output equals the target-only seeded
-output (each token argmax(log p + g(seed, position)), conftest.seeded_reference) token for token,
+output (each token argmax(log p + g(seed, position)), enginekit.seeded_reference) token for token,
 for eqspec and exspec at any k and batch size, with adaptive k, a random k schedule, arrivals
 and aborts, and in any batch composition. Rejection sampling, equal only in distribution, is
 the negative control. Temperatures, top-k and top-p vary per row, one row in five is greedy.
@@ -13,7 +13,7 @@ from exspec import SamplingParams
 from exspec.noise import uniforms
 from exspec.scheduler import AdaptiveK, Scheduler
 
-from conftest import GPT2_MAX_POS, assert_seeded_equivalent, make_engine, make_prompts, run_schedule
+from enginekit import GPT2_MAX_POS, assert_seeded_equivalent, make_engine, make_prompts, run_schedule
 
 VARIANTS = [dict(temperature=0.7), dict(temperature=1.0, top_p=0.9),
             dict(temperature=1.3, top_k=20), dict(temperature=0.9, top_p=0.95, top_k=40), dict()]

@@ -8,7 +8,7 @@ import torch
 from exspec import EngineConfig
 from exspec.threads import DEFAULT_THREADS, apply_threads, choose_threads
 
-from conftest import make_engine   # at collection, while "conftest" is tests/engine's
+from enginekit import make_engine
 
 
 def test_an_explicit_setting_wins_over_the_environment():

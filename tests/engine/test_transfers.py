@@ -12,7 +12,7 @@ import torch
 from exspec import SamplingParams
 from exspec.transfer import TransferAudit
 
-from conftest import make_engine, make_prompts
+from enginekit import make_engine, make_prompts
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from clients import grpc_stream
-from conftest import REPO, scrape, wait_for
+from serverkit import REPO, scrape, wait_for
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -8,7 +8,7 @@ from pathlib import Path
 import tritonclient.grpc as grpcclient
 
 from clients import grpc_inputs, grpc_one, grpc_stream
-from conftest import scrape, wait_for
+from serverkit import scrape, wait_for
 
 DESIGN_METRICS = [
     "exspec:requests_total", "exspec:prompt_tokens_total", "exspec:generation_tokens_total",

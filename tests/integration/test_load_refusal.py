@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
 from clients import grpc_one
-from conftest import MODELS
+from serverkit import MODELS
 from exspec.demo.tiny import _init, build_tokenizer, llama, noisy_copy, save_pair
 from exspec.serving.launcher import TritonServer
 from modelrepo import write_model

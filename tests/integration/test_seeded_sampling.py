@@ -4,7 +4,7 @@ engine; another seed gives other tokens. One extra server start: it is slow."""
 from __future__ import annotations
 
 from clients import grpc_one, grpc_stream
-from conftest import MODELS
+from serverkit import MODELS
 from modelrepo import write_model
 
 from exspec import SamplingParams

@@ -1,6 +1,6 @@
 """Streamed text pieces join to exactly the non-streamed text, with multi-byte characters split
 across byte-level tokens and a stop string spanning several tokens (the `scripted` model's
-greedy output cycles through conftest.SCRIPT)."""
+greedy output cycles through serverkit.SCRIPT)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from clients import generate, generate_stream, grpc_one
-from conftest import SCRIPT
+from serverkit import SCRIPT
 
 STOP = " STOP here"   # five tokens in the test tokenizer: ' ', 'ST', 'OP', ' he', 're'
 

@@ -12,7 +12,7 @@ import torch
 import tritonclient.http as httpclient
 
 from clients import generate, grpc_one, grpc_stream
-from conftest import scrape, wait_for
+from serverkit import scrape, wait_for
 
 PROMPT = "def add(a, b):"
 # What the vLLM backend answers, word for word (its CI test matches the whole message).

@@ -7,7 +7,7 @@ import pytest
 
 from exspec_client import Client
 
-from conftest import Metrics, TritonServer, build_repository
+from loadkit import Metrics, TritonServer, build_repository
 
 GENERATIONS = 16
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import clients, ready, scrape, server_log
+from reliabilitykit import clients, ready, scrape, server_log
 
 PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "The quick brown fox", "hello world",
            "import os\nimport sys\n", "class Engine:\n", "Grüße, naïve café", "emoji: 🚀"]

@@ -25,7 +25,7 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ready
+from reliabilitykit import ready
 
 EXAMPLES = int(os.environ.get("EXSPEC_FUZZ_EXAMPLES", "120"))
 TIMEOUT_S = 60.0   # per request: no answer by then is a hang

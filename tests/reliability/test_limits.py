@@ -1,13 +1,13 @@
 """Limits, through the real server, each refused with an error a person can act on while the
 server carries on: prompt tokens, request size, max_tokens, the pool and queue (busy: retry), and
-the per-request parameter ranges. The `limits` model sets them in model.json (conftest.LIMITS)."""
+the per-request parameter ranges. The `limits` model sets them in model.json (reliabilitykit.LIMITS)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
 
 import pytest
 
-from conftest import LIMITS, clients, ready
+from reliabilitykit import LIMITS, clients, ready
 
 
 def one(server, **request):

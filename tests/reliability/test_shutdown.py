@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import clients, scrape, stub_pids, wait_for, wait_gone, write_model
+from reliabilitykit import clients, scrape, stub_pids, wait_for, wait_gone, write_model
 
 from exspec.serving.launcher import TritonServer
 
