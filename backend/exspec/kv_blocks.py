@@ -6,7 +6,8 @@ allocator and its cache layer are one concept of their own and together would pu
 
 KVStore. Per model, per layer, one preallocated buffer of keys and one of values,
 [num_blocks * BLOCK_SIZE, kv_heads, head_dim], cut into blocks of BLOCK_SIZE token slots. A
-host free list hands blocks out. Block 0 is scratch: pad query tokens write there and padded
+host free list hands blocks out (a row's next block right after its last when that is free, else the
+lowest free one). Block 0 is scratch: pad query tokens write there and padded
 block-table entries read it, and the mask hides it.
 
 BlockTable. One sequence's blocks in one store, for the sequence's whole life: position p of the
@@ -30,6 +31,7 @@ never a Python int, so a compiled forward does not recompile as rows grow, roll 
 """
 from __future__ import annotations
 
+import bisect
 import weakref
 
 import torch
@@ -145,7 +147,7 @@ class KVStore:
         self.cache = new_cache(model)
         self.cache.layers = [_BlockLayer(self.num_blocks * BLOCK_SIZE, self.forward)
                              for _ in self.cache.layers]
-        self.free_blocks = list(range(self.num_blocks - 1, SCRATCH_BLOCK, -1))   # pop() = lowest
+        self.free_blocks = list(range(self.num_blocks - 1, SCRATCH_BLOCK, -1))   # high to low: pop() = lowest
 
     # -- allocation units (what admission reserves, issue 15) ----------------------------------
     @staticmethod
@@ -157,13 +159,29 @@ class KVStore:
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
-    def allocate(self, count: int) -> list[int]:
+    def allocate(self, count: int, after: int | None = None) -> list[int]:
+        """`count` free blocks: each the one right after the previous (after `after`, a row's
+        last block) when that is free, else the lowest free one. A row's blocks then stay
+        consecutive wherever its neighbours leave room, and a row alone reads its entries in
+        place (BlockTable.span); handing out the lowest first keeps free room in one piece."""
         while count > len(self.free_blocks):
             self._grow()
-        return [self.free_blocks.pop() for _ in range(count)]
+        out = []
+        for _ in range(count):
+            block = self._take(after + 1) if after is not None else None
+            after = block if block is not None else self.free_blocks.pop()
+            out.append(after)
+        return out
+
+    def _take(self, block: int) -> int | None:
+        """`block`, removed from the free list, if it is free (the list runs high to low)."""
+        at = bisect.bisect_left(self.free_blocks, -block, key=lambda b: -b)
+        if at < len(self.free_blocks) and self.free_blocks[at] == block:
+            return self.free_blocks.pop(at)
+        return None
 
     def free(self, blocks: list[int]) -> None:
-        self.free_blocks.extend(blocks)
+        self.free_blocks = sorted(self.free_blocks + blocks, reverse=True)
         blocks.clear()
 
     def _grow(self) -> None:
@@ -197,7 +215,7 @@ class BlockTable:
         """Make room for `num_tokens` entries; True when blocks were added."""
         more = store.units_for(num_tokens) - len(self.blocks)
         if more > 0:
-            self.blocks.extend(store.allocate(more))
+            self.blocks.extend(store.allocate(more, self.blocks[-1] if self.blocks else None))
         return more > 0
 
 

@@ -121,3 +121,23 @@ def test_one_row_in_scattered_blocks_falls_back_to_the_gather():
     with torch.inference_mode():
         expected = reference(input_ids=torch.cat([prompt, torch.tensor([[5, 6]])], 1)).logits[0, -2:]
     torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_get_consecutive_blocks_where_the_store_has_room():
+    """A row grows into the block right after its last when that is free, and a new row takes
+    the lowest free blocks in order, so after rows come and go a row alone still reads its
+    entries in place (its span), as a sequence in a fresh store does."""
+    model = llama(320, 0).eval()
+    stores = BlockStores("cpu")
+    store = stores.store(model)
+    first, second = stores.empty(model, 1, "cpu").tables[0], stores.empty(model, 1, "cpu").tables[0]
+    first.reserve(store, 2 * BLOCK_SIZE)      # blocks 1, 2
+    second.reserve(store, BLOCK_SIZE)         # block 3
+    first.release()                           # 1 and 2 free again, below the second row's
+    second.reserve(store, 3 * BLOCK_SIZE)     # grows into 4 and 5, not into 1 and 2
+    assert second.blocks == [3, 4, 5] and second.span(1) is not None
+    third = stores.empty(model, 1, "cpu").tables[0]
+    third.reserve(store, 2 * BLOCK_SIZE)      # the lowest free, in order (1, 2), not 2, 1
+    assert third.blocks == [1, 2] and third.span(1) is not None
+    third.reserve(store, 3 * BLOCK_SIZE)      # 3 is taken: the lowest free instead
+    assert third.blocks == [1, 2, 6] and third.span(1) is None
