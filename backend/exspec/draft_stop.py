@@ -5,7 +5,7 @@ but drafting on past one it will likely accept is what earns a long round. Huggi
 assisted generation stops at a fixed confidence (its assistant_confidence_threshold, 0.4); how
 often a 0.4-sure draft token is accepted, and what one more draft costs against a verification,
 depend on the pair and the machine (on this project's CI machines the same 0.4 won 10% at
-batch 1 on one and lost 6% on another). So the threshold is derived per step from measurements instead:
+batch 1 on one and lost 6% on another). So the threshold is derived per step from measurements:
 - calibration: the share of verified draft tokens the target accepted, by the draft's
   confidence (its top probability) in CONFIDENCE_BINS bins, decayed, each bin shrunk toward its
   own confidence by PRIOR_TOKENS pseudo-tokens and made non-decreasing in confidence;
@@ -47,7 +47,8 @@ class DraftStop:
         out, floor = [], 0.0
         for b, (verified, accepted) in enumerate(zip(self.verified, self.accepted)):
             centre = (b + 0.5) / CONFIDENCE_BINS
-            floor = max(floor, (accepted + self.PRIOR_TOKENS * centre) / (verified + self.PRIOR_TOKENS))
+            shrunk = (accepted + self.PRIOR_TOKENS * centre) / (verified + self.PRIOR_TOKENS)
+            floor = max(floor, shrunk)
             out.append(floor)
         return out
 
@@ -60,7 +61,6 @@ class DraftStop:
         survive = [1.0]                       # survive[i]: drafts 1 .. i all accepted
         for h in hazards[:k]:
             survive.append(survive[-1] * (1.0 - h))
-        survive += [survive[-1]] * (k + 1 - len(survive))
         cost_k = cost(k)
         acceptance = self.acceptance_by_bin()
         out = []

@@ -6,8 +6,8 @@ allocator and its cache layer are one concept of their own and together would pu
 
 KVStore. Per model, per layer, one preallocated buffer of keys and one of values,
 [num_blocks * BLOCK_SIZE, kv_heads, head_dim], cut into blocks of BLOCK_SIZE token slots. A
-host free list hands blocks out (a row's next block right after its last when that is free, else the
-lowest free one). Block 0 is scratch: pad query tokens write there and padded
+host free list hands blocks out: a row's next block right after its last when that is free,
+else the lowest free one. Block 0 is scratch: pad query tokens write there and padded
 block-table entries read it, and the mask hides it.
 
 BlockTable. One sequence's blocks in one store, for the sequence's whole life: position p of the
@@ -147,7 +147,8 @@ class KVStore:
         self.cache = new_cache(model)
         self.cache.layers = [_BlockLayer(self.num_blocks * BLOCK_SIZE, self.forward)
                              for _ in self.cache.layers]
-        self.free_blocks = list(range(self.num_blocks - 1, SCRATCH_BLOCK, -1))   # high to low: pop() = lowest
+        # high to low, so pop() is the lowest
+        self.free_blocks = list(range(self.num_blocks - 1, SCRATCH_BLOCK, -1))
 
     # -- allocation units (what admission reserves, issue 15) ----------------------------------
     @staticmethod
