@@ -31,7 +31,7 @@ never a Python int, so a compiled forward does not recompile as rows grow, roll 
 """
 from __future__ import annotations
 
-import bisect
+import heapq
 import weakref
 
 import torch
@@ -147,8 +147,11 @@ class KVStore:
         self.cache = new_cache(model)
         self.cache.layers = [_BlockLayer(self.num_blocks * BLOCK_SIZE, self.forward)
                              for _ in self.cache.layers]
-        # high to low, so pop() is the lowest
-        self.free_blocks = list(range(self.num_blocks - 1, SCRATCH_BLOCK, -1))
+        # The free blocks, and a min-heap over them for the lowest one (it may still hold blocks
+        # taken out of turn by `_take`: skipped when popped, dropped when the heap is rebuilt).
+        # Both O(log n) per block: a release runs on the tick, and a GPU store has 1e5 blocks.
+        self.free_set = set(range(SCRATCH_BLOCK + 1, self.num_blocks))
+        self.free_heap = sorted(self.free_set)
 
     # -- allocation units (what admission reserves, issue 15) ----------------------------------
     @staticmethod
@@ -158,31 +161,33 @@ class KVStore:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_set)
 
     def allocate(self, count: int, after: int | None = None) -> list[int]:
         """`count` free blocks: each the one right after the previous (after `after`, a row's
         last block) when that is free, else the lowest free one. A row's blocks then stay
         consecutive wherever its neighbours leave room, and a row alone reads its entries in
         place (BlockTable.span); handing out the lowest first keeps free room in one piece."""
-        while count > len(self.free_blocks):
+        while count > len(self.free_set):
             self._grow()
         out = []
         for _ in range(count):
-            block = self._take(after + 1) if after is not None else None
-            after = block if block is not None else self.free_blocks.pop()
+            after = after + 1 if after is not None and after + 1 in self.free_set else self._lowest()
+            self.free_set.remove(after)
             out.append(after)
+        if len(self.free_heap) > 2 * len(self.free_set) + 64:   # mostly blocks taken out of turn
+            self.free_heap = sorted(self.free_set)
         return out
 
-    def _take(self, block: int) -> int | None:
-        """`block`, removed from the free list, if it is free (the list runs high to low)."""
-        at = bisect.bisect_left(self.free_blocks, -block, key=lambda b: -b)
-        if at < len(self.free_blocks) and self.free_blocks[at] == block:
-            return self.free_blocks.pop(at)
-        return None
+    def _lowest(self) -> int:
+        while self.free_heap[0] not in self.free_set:
+            heapq.heappop(self.free_heap)
+        return heapq.heappop(self.free_heap)
 
     def free(self, blocks: list[int]) -> None:
-        self.free_blocks = sorted(self.free_blocks + blocks, reverse=True)
+        for block in blocks:
+            self.free_set.add(block)
+            heapq.heappush(self.free_heap, block)
         blocks.clear()
 
     def _grow(self) -> None:
@@ -191,7 +196,7 @@ class KVStore:
             raise torch.OutOfMemoryError(f"KV store full: {self.num_blocks} blocks of {BLOCK_SIZE} tokens")
         for layer in self.cache.layers:
             layer.grow(new * BLOCK_SIZE)
-        self.free_blocks[:0] = range(new - 1, self.num_blocks - 1, -1)
+        self.free(list(range(self.num_blocks, new)))
         self.num_blocks = new
 
 

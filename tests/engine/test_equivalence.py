@@ -95,7 +95,9 @@ def test_auto_draft_stop_calibrates_on_every_verified_draft_and_matches_target_g
         pairs, reference, monkeypatch, method, batch):
     """The "auto" stop (draft_stop.py) sees each step's draft confidences through the step's
     one device-to-host copy: with its decay off, the accepted drafts it counted are exactly the
-    engine's accepted_tokens, and outputs stay the target's greedy ones."""
+    engine's accepted_tokens (every step is planned at k = 5, so every step is observed, stopped
+    or not: where auto stops depends on measured step times), and outputs stay the target's
+    greedy ones."""
     from exspec.draft_stop import DraftStop
     monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap: cap)
     monkeypatch.setattr(DraftStop, "DECAY", 1.0)
@@ -107,6 +109,5 @@ def test_auto_draft_stop_calibrates_on_every_verified_draft_and_matches_target_g
     assert_equivalent(outs, prompts, max_tokens, reference, pairs["gpt2", "target"], GPT2_MAX_POS,
                       label=f"{method} B={batch} auto stop")
     stats, stop = engine.stats(), engine.pool.scheduler.draft_stop
-    assert min(s["k"] for s in stats["steps_by_shape"]) >= 2, stats["steps_by_shape"]   # all observed
     assert sum(stop.accepted) == pytest.approx(stats["accepted_tokens"])
     assert stats["accepted_tokens"] < sum(stop.verified) <= stats["draft_tokens"]
