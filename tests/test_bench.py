@@ -205,3 +205,32 @@ def test_paired_ratio_compares_runs_of_the_same_repeat():
     a["tokens_per_s"], b["tokens_per_s"] = 200, 150
     assert ratio(a, b) == "1.33 (2.00)"
     assert ratio(a, None) == "–"
+
+
+def test_interleaved_methods_take_turns_and_each_is_timed_alone(monkeypatch):
+    """run_interleaved: one unit of each method in turn (A B A B ..., a method that is done
+    drops out), and a method's seconds are its own units' only (a fake clock that each unit
+    advances by its cost)."""
+    from exspec.bench import methods as bench_methods
+    clock, log = [0.0], []
+    monkeypatch.setattr(bench_methods.time, "perf_counter", lambda: clock[0])
+
+    class Fake(bench_methods.Method):
+        device = "cpu"
+
+        def __init__(self, name, costs):
+            self.name, self.costs = name, costs
+
+        def ticks(self, prompts, max_tokens):
+            for cost in self.costs:
+                clock[0] += cost
+                log.append(self.name)
+                yield
+            return [[len(self.costs)]], None
+
+    a, b = Fake("a", [1.0, 2.0, 3.0]), Fake("b", [0.5, 0.25])
+    runs = bench_methods.run_interleaved([a, b], [], 4, "cpu")
+    assert log == ["a", "b", "a", "b", "a"]
+    assert [r.seconds for r in runs] == [6.0, 0.75]
+    assert [r.outputs for r in runs] == [[[3]], [[2]]]
+    assert a.run([], 4).seconds == 6.0   # alone: the same units, the same sum

@@ -271,6 +271,18 @@ class LLMEngine:
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
         """All prompts through the online loop; outputs in input order."""
+        ticks = self.generate_ticks(prompts, params)
+        while True:
+            try:
+                next(ticks)
+            except StopIteration as done:
+                return done.value
+
+    def generate_ticks(self, prompts: list[str | list[int]],
+                       params: SamplingParams | list[SamplingParams] | None = None):
+        """`generate`, one tick per `next()`: yields after each tick and returns the outputs
+        (StopIteration.value), so a caller can interleave ticks of several engines (the
+        benchmark times them side by side)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{next(self._auto_ids)}" for _ in prompts]
         pending = deque(zip(ids, prompts, params_list))
@@ -294,6 +306,7 @@ class LLMEngine:
                 if out.finished:
                     res.finish_reason, res.error = out.finish_reason, out.error
                     finished.add(out.request_id)
+            yield
         return [results[rid] for rid in ids]
 
     def release_memory(self) -> None:

@@ -4,10 +4,11 @@ by batch size (DESIGN §3.7 definitions, §3.8 output files).
 Methods: the engine's `autoregressive`, `eqspec` and `exspec`, and two Hugging Face baselines:
 `hf_generate` (batched, left-padded, greedy, no draft) and `hf_assisted` (assisted generation
 with the draft, batch size 1 only). Every run puts the same prompts (token ids, so every method
-sees identical inputs) through one method at one batch size; within each batch size the methods
-are interleaved over --repeats runs, the order rotated each repeat (A B C, B C A, C A B, ...) so
-that no method always runs at the same point of a repeat, after one untimed run of the same
-workload per method, and the median tokens/s is reported.
+sees identical inputs) through one method at one batch size. Within each batch size, after one
+untimed run of the workload per method, every repeat runs all methods side by side, one tick of
+each in turn (--interleave tick: the host's speed swings within seconds, and only methods timed
+at the same moments compare fairly), the order rotated each repeat (A B C, B C A, C A B, ...);
+the median over --repeats of each method's tokens/s is reported.
 
 Output equivalence is measured against target-only greedy Hugging Face `generate` at batch
 size 1, once per prompt; every divergent row is listed with the reference's top-2 logit gap at
@@ -46,7 +47,8 @@ from tqdm.auto import tqdm
 
 from .equivalence import Reference
 from .ideal import CostModel
-from .methods import HF_METHODS, METHODS, CellKey, EngineMethod, HFModels, Prompt, Run, make_method
+from .methods import (HF_METHODS, METHODS, CellKey, EngineMethod, HFModels, Prompt, Run, make_method,
+                      run_interleaved)
 from .paths import forward_costs
 from .. import EngineConfig
 from ..models import DTYPES, load_pair
@@ -165,6 +167,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--interleave", choices=("tick", "run"), default="tick",
+                    help="tick (default): each repeat runs its cells side by side, one tick (an "
+                         "engine step, a Hugging Face generate call) of each in turn, each tick "
+                         "timed alone, so every cell sees the host at the same moments; run: one "
+                         "cell after another, each alone (a lone server's absolute speed, but "
+                         "ratios carry the host's drift between runs)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=100, help="sampled runs: prompt i gets seed + i")
@@ -346,13 +354,18 @@ def main(argv: list[str] | None = None) -> int:
                 methods[key].run(prompts, args.max_tokens)
                 bar.update()
             for r in range(args.repeats):
-                for key in rotated(keys, r):
-                    bar.set_postfix_str(f"B={batch_size} run {r + 1}/{args.repeats} {key.label}")
-                    run = methods[key].run(prompts, args.max_tokens)
-                    if run.stats is not None:   # sample its forward shapes under today's load
-                        costs.measure(costs.shapes(run.stats["steps_by_shape"]))
-                    runs.setdefault(key, []).append(run)
-                    bar.update()
+                order = rotated(keys, r)
+                # tick: the repeat's cells side by side, tick by tick; run: one after another
+                for together in ([order] if args.interleave == "tick" else [[key] for key in order]):
+                    bar.set_postfix_str(f"B={batch_size} run {r + 1}/{args.repeats} "
+                                        + (together[0].label if len(together) == 1 else "all cells"))
+                    timed = run_interleaved([methods[key] for key in together], prompts,
+                                            args.max_tokens, args.device)
+                    for key, run in zip(together, timed):
+                        if run.stats is not None:   # sample its forward shapes under today's load
+                            costs.measure(costs.shapes(run.stats["steps_by_shape"]))
+                        runs.setdefault(key, []).append(run)
+                        bar.update()
             del methods
     bench_seconds = time.perf_counter() - start
     paths = None
@@ -374,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
               "max_tokens": args.max_tokens, "k": args.k, "fixed_k": args.fixed_k,
               "batch_sizes": args.batch_sizes,
               "methods": args.methods, "paths": args.paths, "compile_backend": args.compile_backend,
-              "repeats": args.repeats, "device": args.device,
+              "repeats": args.repeats, "interleave": args.interleave, "device": args.device,
               "dtype": args.dtype, "threads": args.threads, "greedy": not sampled,
               "temperature": args.temperature, "top_p": args.top_p,
               "seed": args.seed if sampled else None,

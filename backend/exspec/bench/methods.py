@@ -1,7 +1,8 @@
-"""The methods the benchmark times, each behind one `run(prompts, max_tokens) -> Run`: the
-engine (autoregressive, eqspec, exspec) and two Hugging Face baselines on the same pair
-(`hf_generate`: batched, left-padded, greedy, no draft; `hf_assisted`: assisted generation,
-batch size 1)."""
+"""The methods the benchmark times: the engine (autoregressive, eqspec, exspec) and two Hugging
+Face baselines on the same pair (`hf_generate`: batched, left-padded, greedy, no draft;
+`hf_assisted`: assisted generation, batch size 1). Each does its workload in units of work
+(`ticks`: an engine tick, one Hugging Face generate call), and `run_interleaved` times several
+methods unit by unit, side by side."""
 from __future__ import annotations
 
 import dataclasses
@@ -56,13 +57,47 @@ class Run:
         return sum(len(o) for o in self.outputs)
 
 
-# -- the methods ---------------------------------------------------------------------------------
+# -- timing -----------------------------------------------------------------------------------------
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
-class EngineMethod:
+def run_interleaved(methods: list, prompts: list[Prompt], max_tokens: int, device: str) -> list[Run]:
+    """Every method's whole workload, one unit of work of each in turn (A B C A B C ...), each
+    unit timed alone; a method's seconds are the sum of its units'. This host's speed swings by
+    +-20% within seconds, so methods timed one after the other compare different moments (two
+    runs of one workload in a row differed by up to 25%); units of tens of milliseconds taken in
+    turn see the same moments, and their ratios repeat within 1-2%."""
+    work = [m.ticks(prompts, max_tokens) for m in methods]
+    seconds = [0.0] * len(methods)
+    results: list = [None] * len(methods)
+    live = list(range(len(methods)))
+    while live:
+        for i in list(live):
+            start = time.perf_counter()
+            try:
+                next(work[i])
+            except StopIteration as done:
+                results[i] = done.value
+                live.remove(i)
+            sync(device)
+            seconds[i] += time.perf_counter() - start
+    return [Run(s, outputs, stats) for s, (outputs, stats) in zip(seconds, results)]
+
+
+class Method:
+    """`ticks(prompts, max_tokens)`: a generator doing the workload, yielding between units of
+    work and returning (outputs, engine stats or None)."""
+    device: str
+
+    def run(self, prompts: list[Prompt], max_tokens: int) -> Run:
+        """The workload alone, timed."""
+        return run_interleaved([self], prompts, max_tokens, self.device)[0]
+
+
+# -- the methods ---------------------------------------------------------------------------------
+class EngineMethod(Method):
     """One LLMEngine (autoregressive, eqspec or exspec) at one batch size, reused across runs.
     Sampled runs give prompt i the seed args.seed + i, so every run asks for the same samples."""
 
@@ -88,19 +123,15 @@ class EngineMethod:
             return pair
         return dataclasses.replace(pair, draft=None)
 
-    def run(self, prompts: list[Prompt], max_tokens: int) -> Run:
+    def ticks(self, prompts: list[Prompt], max_tokens: int):
         before = self.engine.stats()
-        sync(self.device)
-        start = time.perf_counter()
         params = [SamplingParams(max_tokens=max_tokens, seed=self.seed + i, **self.sampling)
                   for i in range(len(prompts))]
-        outs = self.engine.generate([p.ids for p in prompts], params)
-        sync(self.device)
-        seconds = time.perf_counter() - start
+        outs = yield from self.engine.generate_ticks([p.ids for p in prompts], params)
         failed = [o.error for o in outs if o.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"{self.key.label} at batch {self.key.batch_size}: {failed[0]}")
-        return Run(seconds, [list(o.token_ids) for o in outs], stats_delta(before, self.engine.stats()))
+        return [list(o.token_ids) for o in outs], stats_delta(before, self.engine.stats())
 
 
 def stats_delta(before: dict, after: dict) -> dict:
@@ -168,30 +199,28 @@ class HFModels:
         return float(top[0]), float(top[1]), float(logits.max() - logits.min())
 
 
-class HFGenerateMethod:
+class HFGenerateMethod(Method):
     """Plain batched Hugging Face generate: chunks of batch_size prompts, left-padded."""
 
     def __init__(self, key: CellKey, hf: HFModels):
-        self.key, self.hf = key, hf
+        self.key, self.hf, self.device = key, hf, hf.device
 
-    def run(self, prompts: list[Prompt], max_tokens: int) -> Run:
+    def ticks(self, prompts: list[Prompt], max_tokens: int):
         b = self.key.batch_size
-        sync(self.hf.device)
-        start = time.perf_counter()
         outputs = []
         for i in range(0, len(prompts), b):
             outputs += self.hf.generate([p.ids for p in prompts[i:i + b]], max_tokens)
-        sync(self.hf.device)
-        return Run(time.perf_counter() - start, outputs)
+            yield
+        return outputs, None
 
 
-class HFAssistedMethod:
+class HFAssistedMethod(Method):
     """Hugging Face assisted generation (batch size 1): k drafts per round, either constant
     (adaptive_k off) or HF's own adaptation (heuristic schedule plus the assistant's
     confidence threshold; adaptive_k on)."""
 
     def __init__(self, key: CellKey, hf: HFModels):
-        self.key, self.hf = key, hf
+        self.key, self.hf, self.device = key, hf, hf.device
 
     def _configure(self) -> None:
         cfg = self.hf.draft.generation_config
@@ -203,14 +232,13 @@ class HFAssistedMethod:
             cfg.num_assistant_tokens_schedule = "constant"
             cfg.assistant_confidence_threshold = 0.0
 
-    def run(self, prompts: list[Prompt], max_tokens: int) -> Run:
-        self._configure()
-        sync(self.hf.device)
-        start = time.perf_counter()
-        outputs = [self.hf.generate([p.ids], max_tokens, assistant_model=self.hf.draft)[0]
-                   for p in prompts]
-        sync(self.hf.device)
-        return Run(time.perf_counter() - start, outputs)
+    def ticks(self, prompts: list[Prompt], max_tokens: int):
+        outputs = []
+        for p in prompts:   # configured per prompt: both cells share the one draft model
+            self._configure()
+            outputs += self.hf.generate([p.ids], max_tokens, assistant_model=self.hf.draft)
+            yield
+        return outputs, None
 
 
 def make_method(key: CellKey, args, hf: HFModels, num_prompts: int):

@@ -158,8 +158,15 @@ def adaptive_against_fixed(cells: list[dict]) -> list[str]:
              "| cell | B | adaptive tokens/s | best fixed k | adaptive ÷ best fixed (paired) "
              "| ÷ autoregressive | ÷ HF assisted (adaptive) (paired) |", "|---|---|---|---|---|---|---|"]
             + lines + ["", "Ratios of the cells' medians; in brackets the median of the ratios of the "
-                       "two cells' runs in the same repeat (each repeat runs every cell once, close "
-                       "in time, so a drift of the machine's speed over the run cancels).", ""])
+                       "two cells' runs in the same repeat (each repeat runs every cell once, at the "
+                       "same moments, so a drift of the machine's speed cancels).", ""])
+
+
+def interleaving(cfg: dict) -> str:
+    if cfg.get("interleave", "run") == "tick":
+        return ("each repeat running a batch size's cells side by side, one tick of each in turn, "
+                "each tick timed alone")
+    return "each repeat running a batch size's cells one after another"
 
 
 def sampling(cfg: dict) -> str:
@@ -187,8 +194,8 @@ def markdown(results: dict, divergences: list[dict]) -> str:
         f"Pair: {cfg['pair']} (target `{cfg['target']}`, draft `{cfg['draft']}`); "
         f"{cfg['num_prompts']} prompts from `{cfg['prompts']}`, max_tokens {cfg['max_tokens']}, "
         f"{sampling(cfg)}, k = {cfg['k']}, {cfg['dtype']} on {cfg['device']}; median of {cfg['repeats']} "
-        f"interleaved runs per cell; took {cfg['wall_s']} s.", "",
-        "tokens/s = generated tokens ÷ wall seconds; × AR = vs autoregressive at the same batch size; "
+        f"runs per cell, {interleaving(cfg)}; took {cfg['wall_s']} s.", "",
+        "tokens/s = generated tokens ÷ the seconds of the run's own ticks; × AR = vs autoregressive at the same batch size; "
         "× B=1 = vs the same method at batch size 1; exact / prefix = equivalence with "
         f"{reference_name(cfg)}; accepted len = committed tokens per row-step (bonus "
         "included); realign = share of step time spent forming, splitting or realigning groups; "
