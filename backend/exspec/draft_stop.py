@@ -25,7 +25,7 @@ CONFIDENCE_BINS = 10
 
 
 def confidence_bins(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of [B, V] draft logits: its top probability and that probability's bin."""
+    """Per distribution of draft logits ([..., V]): its top probability and that probability's bin."""
     confidence = logits.float().softmax(-1).amax(-1)
     return confidence, (confidence * CONFIDENCE_BINS).long().clamp_(max=CONFIDENCE_BINS - 1)
 

@@ -159,11 +159,12 @@ class SequencePool:
         try:
             # No device sync around it: the step ends in its one device-to-host copy, so
             # by the time it returns its GPU work is done.
-            start, catch_up = time.perf_counter(), self.stats.seconds["prefill"]
+            start = time.perf_counter()
+            catch_up, drafting = (self.stats.phase_seconds(p) for p in ("prefill", "draft"))
             result = self.runner.step(group, k, self.scheduler.stop_for(group, k))
             # the step's cost at this k, without a one-off draft catch-up prefill
-            seconds = time.perf_counter() - start - (self.stats.seconds["prefill"] - catch_up)
-            self.scheduler.observe(group, k, result, seconds)
+            seconds = time.perf_counter() - start - (self.stats.phase_seconds("prefill") - catch_up)
+            self.scheduler.observe(group, k, result, seconds, self.stats.phase_seconds("draft") - drafting)
             group.steps += 1
             self._retire()
             if group in self.groups:   # EQSPEC realigns now; EXSPEC's layout has nothing to move

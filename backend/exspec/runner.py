@@ -266,7 +266,7 @@ class ModelRunner:
         verification's answer does not depend on how many drafts it checks."""
         seqs = group.seqs
         ids, pos, valid, counts = first_input
-        tokens, probs, bins = [], [], []
+        tokens, probs, logits_seen = [], [], []
         for j in range(k):
             logits = self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)
             token, q = self._pick(logits[:, 0], rows, seqs, None if noise is None else noise[:, j:j + 1],
@@ -274,15 +274,16 @@ class ModelRunner:
             tokens.append(token)
             probs.append(q)
             if stop is not None:
-                confidence, b = confidence_bins(logits[:, 0])
-                bins.append(b)
-                if j + 1 < k and stop[j] > 0 and bool((confidence < stop[j]).all()):
+                logits_seen.append(logits)
+                # a host read only where this depth may end the round
+                if j + 1 < k and stop[j] > 0 and bool((confidence_bins(logits[:, 0])[0] < stop[j]).all()):
                     break
             if j + 1 < k:
                 ids, pos = token[:, None], (next_pos + j)[:, None]
                 valid, counts = torch.ones_like(ids, dtype=torch.bool), [1] * len(seqs)
-        return (torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1),
-                torch.stack(bins, 1) if bins else None)
+        # every draft's confidence bin at once (the calibration's input): one op per step, not per draft
+        bins = confidence_bins(torch.cat(logits_seen, dim=1))[1] if logits_seen else None
+        return (torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1), bins)
 
     def _coupled(self, rows: RowSampling) -> bool:
         """True when tokens are argmaxes (greedy, or gumbel noise) and acceptance is agreement."""

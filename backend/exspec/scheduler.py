@@ -43,34 +43,34 @@ class AdaptiveK:
     acceptance. With no counts at all this is the geometric model at the group's acceptance,
     estimated per sequence (and pool-wide, as the prior for new sequences) as
     accepted / (accepted + rejections) over recent steps.
-    Step cost is an exponential moving average of measured step times per (batch-size bucket,
-    k), kept relative to the machine's speed. A host's speed drifts (this CI machine's by +-15%
-    over minutes, every op alike), and costs measured at different moments would otherwise
-    compare k's at different speeds: a k timed in a slow minute lost to a stale, fast timing of
-    its neighbour, and k moved off its best with nothing changed but the machine. So each
-    step's time against its own k's cost moves `speed` (SPEED_EMA) more than that cost (EMA),
-    and a drift shifts every k alike. What one k's timings alone cannot tell apart from a drift
-    (that k, and only it, got costlier) is settled by a refresh: after REFRESH_EVERY steps
-    without a timing of the runner-up, one step runs at it, and that timing, taken at today's
-    speed, replaces most of its stale cost (REFRESH_WEIGHT). A bucket not yet measured at some k borrows the nearest measured bucket's cost at that k
-    (scaled by their plain-step costs), a k measured nowhere is interpolated in k from the
-    bucket's measured k's (each extra draft token adds one draft forward and one verified
-    column), and only a k that cannot be estimated at all is tried blind, so the table fills
-    itself.
-    Exploration is optimistic, not blind: a k not yet measured at this batch size counts
-    EXPLORE_BONUS better than its estimate, so a close contender is tried and a clearly worse
-    one (a costly draft at low acceptance) is not. Speculation is probed again after
+    Step cost at k >= 1 is modelled as rest + k x draft: a step's time besides its drafts
+    (verification, acceptance, bookkeeping) and one draft forward, both moving averages (EMA)
+    per batch-size bucket, updated together from every speculative step, whatever its k. Both
+    are measured at the same moments, so the comparison of k's does not move with the host's
+    speed: this host's speed swings by +-20% within seconds and one step's time differs from the
+    next by 7% (median; 25% at the 90th percentile), more than neighbouring k's differ near the
+    best (5-9% on the demo pair), and the earlier table of measured step times per k, each k
+    timed at its own moments, compared k's at different speeds and settled one below its best
+    (0.91 of the best fixed k at B = 1, timed tick by tick). The verification's width (k + 1
+    columns) is taken not to change `rest`: measured, 19.3 vs 19.5 ms at widths 5 and 6 on the
+    demo pair at B = 1, the regime of a launch- or memory-bound verifier; on a compute-bound
+    verifier this favours a larger k. A plain step (k = 0) costs `plain` x rest, its own
+    ratio measured at the rest of its moment; until measured it is taken as costly as rest. A
+    bucket not measured yet borrows the nearest measured bucket's costs.
+    Exploration is optimistic, not blind: plain decoding, not yet measured at this batch size,
+    counts EXPLORE_BONUS better than its estimate, so it is tried when it is a close contender
+    and not when speculation clearly pays. Speculation is probed again after
     PROBE_EVERY plain steps, at the k most likely to pay, and twice as rarely each time a probe
     leads back to plain decoding.
     """
 
-    GAIN_TO_SWITCH = 1.10   # hysteresis: change k only for a 10% better expected rate
-    EXPLORE_BONUS = 1.30    # optimism for a k not yet measured at this batch size
+    # hysteresis: change k only for a 3% better expected rate. A step at another k costs nothing
+    # beyond itself, and neighbouring k's near the best differ by 5-9% on the demo pair: a
+    # wider margin (10% before) left k one below its best for good.
+    GAIN_TO_SWITCH = 1.03
+    EXPLORE_BONUS = 1.30    # optimism for plain decoding not yet measured at this batch size
     PROBE_EVERY = 8         # plain steps before speculation is tried again (doubles up to 256)
-    EMA = 0.03              # of a (bucket, k)'s cost, per step measured at it
-    SPEED_EMA = 0.3         # of the machine's speed, per step (geometric)
-    REFRESH_EVERY = 32      # steps (this AdaptiveK's) before the runner-up k is timed again
-    REFRESH_WEIGHT = 0.5    # of a refreshed timing against the stale cost it replaces
+    EMA = 0.1               # of a bucket's costs, per step measured there (~10 steps' memory)
     DECAY = 0.9             # of the pool-wide acceptance counts, per speculative step
     HAZARD_DECAY = 0.98     # of the per-draft counts, per row-step (a memory of ~50 row-steps)
     STALE_DECAY = 0.95      # of the counts of drafts beyond the step's k, per row-step
@@ -78,11 +78,11 @@ class AdaptiveK:
 
     def __init__(self, max_k: int):
         self.max_k = max_k
-        self.step_time: dict[tuple[int, int], float] = {}   # (bucket, k) -> seconds at speed 1
-        self.speed = 1.0   # how much slower the machine runs now than when costs began
-        self.steps = 0     # observed steps, the clock of `timed_at`
-        self.timed_at: dict[tuple[int, int], int] = {}     # (bucket, k) -> step of its last timing
-        self.refresh_k: int | None = None   # the k of the last choice, if it was a refresh
+        # per batch-size bucket, seconds: a speculative step besides its drafts, one draft
+        # forward; and a plain step's time as a share of `rest` (module doc)
+        self.rest: dict[int, float] = {}
+        self.draft: dict[int, float] = {}
+        self.plain: dict[int, float] = {}
         self.recent_accepted, self.recent_rejections = 7.0, 3.0   # prior: acceptance 0.7
         self.probe_every = self.PROBE_EVERY
         # decayed counts per draft depth j (index j - 1): rows whose draft j was verified, and
@@ -98,31 +98,21 @@ class AdaptiveK:
     def bucket(batch: int) -> int:
         return 1 << (batch - 1).bit_length()   # 1, 2, 4, 8, 16, ...
 
-    def cost(self, batch: int, k: int) -> float | None:
-        """Measured, or estimated from other measurements; None if k was never measured."""
+    def _measured(self, batch: int) -> int | None:
+        """The bucket whose costs stand for this batch size: its own, else the nearest measured."""
         here = self.bucket(batch)
-        if (here, k) in self.step_time:
-            return self.step_time[here, k]
-        measured = [b for (b, kk) in self.step_time if kk == k]
-        if not measured:
-            return self._interpolate(here, k)
-        # Borrow from the nearest bucket that measured k, scaled by a k' both buckets measured
-        # (step cost is far from linear in batch size, so never scale by the size ratio).
-        for near in sorted(measured, key=lambda b: abs(b.bit_length() - here.bit_length())):
-            for (b, ref), t_here in self.step_time.items():
-                if b == here and (near, ref) in self.step_time:
-                    return self.step_time[near, k] * t_here / self.step_time[near, ref]
-        return self.step_time[min(measured, key=lambda b: abs(b.bit_length() - here.bit_length())), k]
+        if here in self.rest or not self.rest:
+            return here if self.rest else None
+        return min(self.rest, key=lambda b: abs(b.bit_length() - here.bit_length()))
 
-    def _interpolate(self, bucket: int, k: int) -> float | None:
-        """Linear in k through the two measured k's of this bucket nearest to k; None with
-        fewer than two."""
-        ks = sorted((kk for (b, kk) in self.step_time if b == bucket), key=lambda kk: abs(kk - k))
-        if len(ks) < 2:
+    def cost(self, batch: int, k: int) -> float | None:
+        """A step's estimated seconds at k (module doc); None before any speculative step."""
+        b = self._measured(batch)
+        if b is None:
             return None
-        k1, k2 = sorted(ks[:2])
-        t1, t2 = self.step_time[bucket, k1], self.step_time[bucket, k2]
-        return max(t1 + (t2 - t1) * (k - k1) / (k2 - k1), min(t1, t2) * 0.5)
+        if k == 0:
+            return self.plain.get(b, 1.0) * self.rest[b]
+        return self.rest[b] + k * self.draft[b]
 
     def hazards(self, acceptance: float) -> list[float]:
         """h_1 .. h_max_k: each depth's measured rejection share, shrunk toward the depth before."""
@@ -132,65 +122,49 @@ class AdaptiveK:
             out.append(prior)
         return out
 
-    def tokens_per_row_step(self, acceptance: float, k: int) -> float:
-        """Tokens a row-step at k commits: 1 + the chances that drafts 1, 2, .., k survive."""
-        total, survive = 1.0, 1.0
-        for h in self.hazards(acceptance)[:k]:
+    def tokens_by_k(self, acceptance: float) -> list[float]:
+        """Tokens a row-step commits at k = 0 .. max_k: 1 + the chances that drafts 1 .. k survive."""
+        out, survive = [1.0], 1.0
+        for h in self.hazards(acceptance):
             survive *= 1.0 - h
-            total += survive
-        return total
+            out.append(out[-1] + survive)
+        return out
 
-    def rate(self, batch: int, k: int, acceptance: float) -> float:
-        cost = self.cost(batch, k)
-        if cost is None:
-            return float("inf")   # never measured: try it
-        return batch * self.tokens_per_row_step(acceptance, k) / cost
+    def tokens_per_row_step(self, acceptance: float, k: int) -> float:
+        return self.tokens_by_k(acceptance)[k]
 
     def choose(self, group: Group, cap: int) -> int:
         acceptance = group.acceptance(self.acceptance)
         batch = len(group)
         current = min(group.k if group.k is not None else cap, cap)
-        rates = {k: self.rate(batch, k, acceptance) for k in range(cap + 1)}
+        tokens = self.tokens_by_k(acceptance)
+        costs = [self.cost(batch, k) for k in range(cap + 1)]
+        if costs[0] is None:
+            return current   # nothing measured yet: the first step tells
+        rates = [batch * tokens[k] / costs[k] for k in range(cap + 1)]
         if current == 0 and group.plain_steps_in_a_row >= self.probe_every:
             self.probe_every = min(2 * self.probe_every, 256)
             # re-measure acceptance now and then, more rarely each time, at the k most likely
             # to pay (at low acceptance the cheapest probe, k = 1)
-            return max(range(1, cap + 1), key=rates.get)
-        # Local exploration: plain decoding and the neighbours of the current k are tried at
-        # this batch size when their estimates, taken optimistically, could beat a measurement.
-        here = self.bucket(batch)
-        if (here, current) in self.step_time:
-            for k in {0, max(current - 1, 0), min(current + 1, cap)}:
-                if (here, k) not in self.step_time:
-                    rates[k] *= self.EXPLORE_BONUS
-        best = max(rates, key=rates.get)
+            return max(range(1, cap + 1), key=rates.__getitem__)
+        if self.bucket(batch) not in self.plain:
+            rates[0] *= self.EXPLORE_BONUS   # plain decoding, unmeasured here: tried if close
+        best = max(range(cap + 1), key=rates.__getitem__)
         choice = best if rates[best] > rates[current] * self.GAIN_TO_SWITCH else current
         if choice > 0 and current > 0:
             self.probe_every = self.PROBE_EVERY   # speculation pays again: probe eagerly
-        self.refresh_k = None
-        if choice == current > 0:
-            runner_up = max((k for k in rates if k != current), key=rates.get, default=None)
-            if runner_up is not None and self._stale((here, runner_up)):
-                self.refresh_k = runner_up   # one step, to compare both at today's speed;
-                return runner_up             # the group's current k stays (Scheduler.observe)
         return choice
 
-    def _stale(self, key: tuple[int, int]) -> bool:
-        """Timed once, but not in the last REFRESH_EVERY steps."""
-        return key in self.timed_at and self.steps - self.timed_at[key] > self.REFRESH_EVERY
-
-    def observe(self, batch: int, k: int, seconds: float, accepted: list[int]) -> None:
-        key = (self.bucket(batch), k)
-        old = self.step_time.get(key)
-        if old is None:
-            self.step_time[key] = seconds / self.speed
-        elif self._stale(key):   # a refresh: its cost is what is out of date, not the speed
-            self.step_time[key] = old + self.REFRESH_WEIGHT * (seconds / self.speed - old)
+    def observe(self, batch: int, k: int, seconds: float, draft_seconds: float,
+                accepted: list[int]) -> None:
+        """A step at k took `seconds`, `draft_seconds` of them drafting."""
+        b = self.bucket(batch)
+        if k == 0:
+            if b in self.rest:
+                _ema(self.plain, b, seconds / self.rest[b], self.EMA)
         else:
-            self.speed *= (seconds / (old * self.speed)) ** self.SPEED_EMA
-            self.step_time[key] = old + self.EMA * (seconds / self.speed - old)
-        self.steps += 1
-        self.timed_at[key] = self.steps
+            _ema(self.rest, b, seconds - draft_seconds, self.EMA)
+            _ema(self.draft, b, draft_seconds / k, self.EMA)
         if k > 0:
             self.recent_accepted = self.DECAY * self.recent_accepted + sum(accepted)
             self.recent_rejections = (self.DECAY * self.recent_rejections
@@ -205,6 +179,12 @@ class AdaptiveK:
                     self.verified[j] += 1.0
                 if a < k:
                     self.rejected[a] += 1.0
+
+
+def _ema(table: dict, key, value: float, weight: float) -> None:
+    """Move table[key] toward value by `weight` (the first value sets it)."""
+    old = table.get(key)
+    table[key] = value if old is None else old + weight * (value - old)
 
 
 class Scheduler:
@@ -306,15 +286,15 @@ class Scheduler:
         hazards = self.adaptive.hazards(group.acceptance(self.adaptive.acceptance))
         return self.draft_stop.thresholds(k, hazards, lambda j: self.adaptive.cost(batch, j))
 
-    def observe(self, group: Group, k: int, result: StepResult, seconds: float) -> None:
-        """A step planned at k ran result.k drafts (fewer when its round stopped early): its
-        cost and acceptance count at result.k; the group keeps k as its current choice (a
-        refresh's k excepted: that step only re-timed the runner-up)."""
-        if self.adaptive is None or self.adaptive.refresh_k != k:
-            group.k = k
+    def observe(self, group: Group, k: int, result: StepResult, seconds: float,
+                draft_seconds: float) -> None:
+        """A step planned at k ran result.k drafts (fewer when its round stopped early) in
+        `seconds`, `draft_seconds` of them drafting: its cost and acceptance count at result.k;
+        the group keeps k as its current choice."""
+        group.k = k
         group.plain_steps_in_a_row = group.plain_steps_in_a_row + 1 if k == 0 else 0
         if self.adaptive is not None:
-            self.adaptive.observe(len(group), result.k, seconds, result.num_accepted)
+            self.adaptive.observe(len(group), result.k, seconds, draft_seconds, result.num_accepted)
         if self.draft_stop is not None and result.confidence_bins is not None:
             caps = [s.drafts_at(result.k) for s in group.seqs]
             self.draft_stop.observe(result.confidence_bins, result.num_accepted, caps)

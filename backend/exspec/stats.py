@@ -66,6 +66,13 @@ class Stats:
                 still.append((phase, start, end))
         self._pending = still
 
+    def phase_seconds(self, phase: str) -> float:
+        """A phase's seconds so far, counting every timed GPU phase that has completed (after
+        a step's device-to-host copy: all of that step's phases) without waiting on the device."""
+        if self._pending:
+            self._settle(wait=False)
+        return self.seconds[phase]
+
     def snapshot(self, pool_seqs: int, pool_kv_tokens: int, queue_len: int,
                  pool_kv_tokens_allocated: int = 0, pool_kv_tokens_reserved: int = 0) -> dict:
         self._settle(wait=True)   # once per tick, after the step's own sync: nothing waits here

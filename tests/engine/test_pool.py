@@ -218,44 +218,53 @@ class G:
         return self._a
 
 
+def costs(ak, bucket, rest, draft, plain=None):
+    """Set a bucket's measured costs: a step at k >= 1 takes rest + k x draft."""
+    ak.rest[bucket], ak.draft[bucket] = rest, draft
+    if plain is not None:
+        ak.plain[bucket] = plain
+
+
 def test_adaptive_k_hysteresis_and_fallback_to_plain():
     ak = AdaptiveK(max_k=5)
-    for k in range(6):   # step cost grows with k: a compute-bound verifier
-        ak.step_time[(8, k)] = 1.0 + 0.5 * k
+    costs(ak, 8, rest=1.0, draft=0.5, plain=1.0)   # step cost 1 + 0.5 k
     # high acceptance: speculation pays; low acceptance: plain decoding wins
     assert ak.choose(G(8, 0, 0.95), 5) > 0
     assert ak.choose(G(8, 5, 0.05), 5) == 0
-    # hysteresis: a marginally better k does not make it switch
-    ak.step_time[(8, 3)] = ak.step_time[(8, 2)] * ak.tokens_per_row_step(0.6, 3) / ak.tokens_per_row_step(0.6, 2) * 0.97
-    assert ak.choose(G(8, 2, 0.6), 5) == 2
+    # hysteresis: at acceptance 0.6 (no counts: the geometric model) and this draft cost, k = 3
+    # is the best, 2% ahead of k = 2 and k = 4: those stay; k = 1, 14% behind, moves
+    tokens = ak.tokens_by_k(0.6)
+    costs(ak, 8, rest=1.0, draft=(tokens[3] - 1.02 * tokens[2]) / (3.06 * tokens[2] - 2 * tokens[3]))
+    rates = [tokens[k] / ak.cost(8, k) for k in range(6)]
+    assert max(range(1, 6), key=rates.__getitem__) == 3
+    assert rates[3] / rates[2] == pytest.approx(1.02) and rates[3] / rates[4] < AdaptiveK.GAIN_TO_SWITCH
+    assert ak.choose(G(8, 2, 0.6), 5) == 2 and ak.choose(G(8, 4, 0.6), 5) == 4
+    assert ak.choose(G(8, 1, 0.6), 5) == 3
     # after a long plain stretch it probes speculation again, at the k most likely to pay
     # (the cheapest, k = 1, at this acceptance), then more rarely
+    costs(ak, 8, rest=1.0, draft=0.5)
     assert ak.choose(G(8, 0, 0.05, plain=AdaptiveK.PROBE_EVERY), 5) == 1
     assert ak.choose(G(8, 0, 0.05, plain=AdaptiveK.PROBE_EVERY), 5) == 0
     assert ak.probe_every == 2 * AdaptiveK.PROBE_EVERY
     # a batch size never measured borrows the nearest measured one's costs instead of
     # exploring every k again (sizes change every time a row finishes)
     for k in range(6):
-        assert ak.cost(7, k) == ak.step_time[(8, k)] and ak.cost(13, k) is not None
+        assert ak.cost(7, k) == ak.cost(8, k) == ak.cost(13, k)
     assert ak.choose(G(13, 5, 0.05), 5) == 0
 
 
-def test_adaptive_k_explores_close_contenders_only():
-    """A k never measured is interpolated from the measured ones; an unmeasured neighbour is
-    tried when its optimistic estimate could win, never when it is clearly worse (a draft as
-    costly as the target at low acceptance must not be probed k by k)."""
-    costly = AdaptiveK(max_k=5)
-    costly.step_time[(1, 0)], costly.step_time[(1, 5)] = 1.0, 7.0    # draft ~ target
-    assert costly.cost(1, 2) == pytest.approx(3.4)                     # interpolated in k
-    assert costly.choose(G(1, 0, 0.3), 5) == 0                         # k = 1 not worth a try
+def test_adaptive_k_tries_plain_decoding_only_as_a_close_contender():
+    """Before any plain step at a batch size, plain decoding counts as costly as a speculative
+    step besides its drafts, with the exploration bonus: tried when it could win, never when
+    speculation clearly pays; once measured, the measurement decides."""
     cheap = AdaptiveK(max_k=5)
-    cheap.step_time[(1, 0)], cheap.step_time[(1, 5)] = 1.0, 1.6        # draft ~ 1/9 target
-    cheap.step_time[(1, 4)] = 1.48
-    assert cheap.choose(G(1, 5, 0.8), 5) == 5                          # measured best stays
-    del cheap.step_time[(1, 4)]
-    cheap.step_time[(1, 3)] = 1.36
-    # k = 4 unmeasured here but estimated close to k = 5: optimism tries it
-    assert cheap.choose(G(1, 5, 0.75), 5) == 4
+    costs(cheap, 1, rest=1.0, draft=0.12)               # draft ~ 1/9 of the target
+    assert cheap.cost(1, 0) == 1.0
+    assert cheap.choose(G(1, 5, 0.8), 5) == 5           # 2.3 tokens per unit vs plain's 1.3
+    assert cheap.choose(G(1, 1, 0.2), 5) == 0           # 1.07 vs 1.3: worth a try
+    cheap.observe(1, 0, 1.0, 0.0, [0])                  # plain measured: as costly as rest
+    assert cheap.plain[1] == 1.0
+    assert cheap.choose(G(1, 0, 0.2), 5) == 1           # 1.07 vs 1.0 measured: back to k = 1
 
 
 def test_adaptive_k_measures_what_each_k_commits():
@@ -264,11 +273,11 @@ def test_adaptive_k_measures_what_each_k_commits():
     measured for every k, where the geometric model at the same per-token acceptance (about
     5/6) predicts 1.8 and 3.8."""
     ak = AdaptiveK(max_k=5)
-    for k in range(6):
-        ak.step_time[(1, k)] = 1.0 + 0.25 * k
+    costs(ak, 1, rest=1.0, draft=0.25, plain=1.0)
     for _ in range(30):
-        ak.observe(1, 5, 2.25, [5])
-        ak.observe(1, 5, 2.25, [0])
+        ak.observe(1, 5, 2.25, 1.25, [5])
+        ak.observe(1, 5, 2.25, 1.25, [0])
+    assert ak.cost(1, 5) == pytest.approx(2.25) and ak.cost(1, 1) == pytest.approx(1.25)
     a = ak.acceptance
     assert a == pytest.approx(5 / 6, abs=0.03)
     assert ak.tokens_per_row_step(a, 5) == pytest.approx(3.5, rel=0.05)
@@ -285,50 +294,42 @@ def test_adaptive_k_forgets_depths_it_no_longer_verifies():
     keep k low once rows accept everything: drafts beyond the current k are no longer verified,
     so their stale counts fade and their hazards follow the deepest measured one."""
     ak = AdaptiveK(max_k=5)
-    for k in range(6):   # a cheap draft: every k pays at high acceptance
-        ak.step_time[(1, k)] = 1.0 + 0.1 * k
+    costs(ak, 1, rest=1.0, draft=0.1, plain=1.0)   # a cheap draft: every k pays at high acceptance
     for _ in range(20):
-        ak.observe(1, 5, 1.5, [1])   # accept one draft, reject the second
+        ak.observe(1, 5, 1.5, 0.5, [1])   # accept one draft, reject the second
     assert ak.choose(G(1, 5, ak.acceptance), 5) == 1
     for _ in range(100):
-        ak.observe(1, 1, 1.1, [1])   # every draft accepted at k = 1
+        ak.observe(1, 1, 1.1, 0.1, [1])   # every draft accepted at k = 1
     assert ak.tokens_per_row_step(ak.acceptance, 5) > 4.5
     assert ak.choose(G(1, 1, ak.acceptance), 5) == 5
 
 
-def _drive(ak, costs, speed, steps, k):
-    """`steps` steps of one row chosen by `ak`, every draft accepted, each timed at
-    costs[k] x speed; the k's it ran."""
+def _drive(ak, rest, draft, speed, steps, k, accepted=lambda k: k):
+    """`steps` steps of one row chosen by `ak`, each timed at (rest + k x draft) x speed; the
+    k's it ran."""
     ran, current = [], k
     for _ in range(steps):
-        k = ak.choose(G(1, current, ak.acceptance), 5)
-        ak.observe(1, k, costs[k] * speed, [k])
-        ran.append(k)
-        if ak.refresh_k != k:   # as Scheduler.observe: a refresh leaves the current k
-            current = k
+        current = ak.choose(G(1, current, ak.acceptance), 5)
+        ak.observe(1, current, (rest + current * draft) * speed, current * draft * speed,
+                   [accepted(current)])
+        ran.append(current)
     return ran
 
 
 def test_adaptive_k_compares_costs_at_one_machine_speed():
-    """The machine slows by a quarter while k = 5 runs (every op alike: a busy neighbour, a
-    lower clock). k = 4, timed before the slowdown, must not look a quarter cheaper than k = 5:
-    the drift is the machine's, and k stays at its best but for a refresh now and then. When
-    one k alone gets costlier, the refresh finds it."""
-    # each draft token adds a third of a plain step: k = 4 yields 5% less than k = 5, inside
-    # the hysteresis, so a refresh of it must not leave k there
-    costs = {k: 1.0 + k / 3 for k in range(6)}
+    """The machine slows by a quarter (every op alike: a busy neighbour, a lower clock) and
+    swings step by step: k stays at its best, since the costs that tell k's apart are measured
+    at the same moments. When drafting alone gets costlier, k moves down."""
     ak = AdaptiveK(max_k=5)
-    for k in range(6):
-        ak.observe(1, k, costs[k], [k])
-    assert _drive(ak, costs, 1.0, 20, 5) == [5] * 20
-    ran = _drive(ak, costs, 1.25, 100, 5)
-    assert ak.speed == pytest.approx(1.25, rel=0.05)
-    assert ak.cost(1, 4) / ak.cost(1, 5) == pytest.approx(costs[4] / costs[5], rel=0.05)
-    assert ran.count(5) >= 100 - 100 // AdaptiveK.REFRESH_EVERY and ran[-1] == 5, ran
-    # k = 5 alone gets half again as costly: the next refresh of k = 4 shows it, and k moves
-    costs[5] = 4.0
-    ran = _drive(ak, costs, 1.25, 80, 5)
-    assert ran[-10:] == [4] * 10, ran
+    assert _drive(ak, 1.0, 1 / 3, 1.0, 20, 5) == [5] * 20
+    assert _drive(ak, 1.0, 1 / 3, 1.25, 50, 5) == [5] * 50
+    swings = iter([0.8, 1.2, 1.0, 1.25, 0.9] * 20)
+    ran = [_drive(ak, 1.0, 1 / 3, next(swings), 1, 5)[0] for _ in range(100)]
+    assert ran == [5] * 100
+    # the draft alone gets six times as costly (each draft token now costs twice a plain
+    # step), and rows accept only 2 of 5 drafts: fewer drafts pay
+    ran = _drive(ak, 1.0, 2.0, 1.25, 60, 5, accepted=lambda k: min(k, 2))
+    assert max(ran[-10:]) < 5, ran
 
 
 def test_scheduler_picks_starving_group_and_merges_equal_lengths():
