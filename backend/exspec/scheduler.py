@@ -162,23 +162,21 @@ class AdaptiveK:
         if k == 0:
             if b in self.rest:
                 _ema(self.plain, b, seconds / self.rest[b], self.EMA)
-        else:
-            _ema(self.rest, b, seconds - draft_seconds, self.EMA)
-            _ema(self.draft, b, draft_seconds / k, self.EMA)
-        if k > 0:
-            self.recent_accepted = self.DECAY * self.recent_accepted + sum(accepted)
-            self.recent_rejections = (self.DECAY * self.recent_rejections
-                                      + sum(a < k for a in accepted))
-            # depths beyond k measured an older regime: they fade faster than verified ones
-            decays = [(self.HAZARD_DECAY if j < k else self.STALE_DECAY) ** len(accepted)
-                      for j in range(self.max_k)]
-            self.verified = [d * v for d, v in zip(decays, self.verified)]
-            self.rejected = [d * r for d, r in zip(decays, self.rejected)]
-            for a in accepted:
-                for j in range(min(a + 1, k, self.max_k)):   # drafts 1 .. a+1 were verified
-                    self.verified[j] += 1.0
-                if a < k:
-                    self.rejected[a] += 1.0
+            return
+        _ema(self.rest, b, seconds - draft_seconds, self.EMA)
+        _ema(self.draft, b, draft_seconds / k, self.EMA)
+        self.recent_accepted = self.DECAY * self.recent_accepted + sum(accepted)
+        self.recent_rejections = self.DECAY * self.recent_rejections + sum(a < k for a in accepted)
+        # depths beyond k measured an older regime: they fade faster than verified ones
+        decays = [(self.HAZARD_DECAY if j < k else self.STALE_DECAY) ** len(accepted)
+                  for j in range(self.max_k)]
+        self.verified = [d * v for d, v in zip(decays, self.verified)]
+        self.rejected = [d * r for d, r in zip(decays, self.rejected)]
+        for a in accepted:
+            for j in range(min(a + 1, k, self.max_k)):   # drafts 1 .. a+1 were verified
+                self.verified[j] += 1.0
+            if a < k:
+                self.rejected[a] += 1.0
 
 
 def _ema(table: dict, key, value: float, weight: float) -> None:
