@@ -130,9 +130,6 @@ class AdaptiveK:
             out.append(out[-1] + survive)
         return out
 
-    def tokens_per_row_step(self, acceptance: float, k: int) -> float:
-        return self.tokens_by_k(acceptance)[k]
-
     def choose(self, group: Group, cap: int) -> int:
         acceptance = group.acceptance(self.acceptance)
         batch = len(group)

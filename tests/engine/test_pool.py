@@ -280,8 +280,8 @@ def test_adaptive_k_measures_what_each_k_commits():
     assert ak.cost(1, 5) == pytest.approx(2.25) and ak.cost(1, 1) == pytest.approx(1.25)
     a = ak.acceptance
     assert a == pytest.approx(5 / 6, abs=0.03)
-    assert ak.tokens_per_row_step(a, 5) == pytest.approx(3.5, rel=0.05)
-    assert ak.tokens_per_row_step(a, 1) == pytest.approx(1.5, rel=0.05)
+    assert ak.tokens_by_k(a)[5] == pytest.approx(3.5, rel=0.05)
+    assert ak.tokens_by_k(a)[1] == pytest.approx(1.5, rel=0.05)
     geometric = [(1 - a ** (k + 1)) / (1 - a) for k in range(6)]   # the model's view
     assert geometric[1] > 1.75 and geometric[5] > 3.75
     # measured: k = 5 commits 3.5 per 2.25 s; k = 1: 1.5 per 1.25 s; plain: 1 per 1 s
@@ -300,7 +300,7 @@ def test_adaptive_k_forgets_depths_it_no_longer_verifies():
     assert ak.choose(G(1, 5, ak.acceptance), 5) == 1
     for _ in range(100):
         ak.observe(1, 1, 1.1, 0.1, [1])   # every draft accepted at k = 1
-    assert ak.tokens_per_row_step(ak.acceptance, 5) > 4.5
+    assert ak.tokens_by_k(ak.acceptance)[5] > 4.5
     assert ak.choose(G(1, 1, ak.acceptance), 5) == 5
 
 
