@@ -100,9 +100,11 @@ class AdaptiveK:
 
     def _measured(self, batch: int) -> int | None:
         """The bucket whose costs stand for this batch size: its own, else the nearest measured."""
+        if not self.rest:
+            return None
         here = self.bucket(batch)
-        if here in self.rest or not self.rest:
-            return here if self.rest else None
+        if here in self.rest:
+            return here
         return min(self.rest, key=lambda b: abs(b.bit_length() - here.bit_length()))
 
     def cost(self, batch: int, k: int) -> float | None:
