@@ -129,9 +129,10 @@ def test_return_logprobs_without_logprobs_is_null(server, stream):
 def test_default_streams_one_response_per_engine_step(server):
     # as vLLM's own backend streams when vLLM speculates: a response per engine step, carrying
     # every token the step committed; the first token, from the prefill, in a response of its own
+    # on the scripted model (fixed k, a draft that agrees): steps commit several tokens
     sampling = {"max_tokens": 24, "ignore_eos": True}
-    call = grpc_one(server.urls["grpc"], "exspec", prompt=PROMPT, stream=True, sampling=sampling)
-    whole = grpc_one(server.urls["grpc"], "exspec", prompt=PROMPT, stream=False,
+    call = grpc_one(server.urls["grpc"], "scripted", prompt=PROMPT, stream=True, sampling=sampling)
+    whole = grpc_one(server.urls["grpc"], "scripted", prompt=PROMPT, stream=False,
                      exclude_input_in_output=True, sampling=sampling)
     sizes = [len(r.ids()) for r in call.responses]
     assert sum(sizes) == 24 and max(sizes) > 1, f"no step committed several tokens: {sizes}"
