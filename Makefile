@@ -4,14 +4,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv test test-slow test-engine demo serve gpu-check deploy-check clean
+.PHONY: venv test test-slow test-engine demo serve gpu-check deploy-check docs clean
 
 # torch first, pinned, in its own pip call: that takes the CPU wheel from this machine's disk
 # instead of letting a dependency pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[serve,test]'
+	$(BIN)/pip install -q -e '.[serve,test,docs]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -19,7 +19,7 @@ venv: $(STAMP)
 # Each part prints its wall time, so CI shows where the minutes go.
 test: venv
 	@start=$$(date +%s); \
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 -m "not slow" tests; rc=$$?; \
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -m "not slow" tests; rc=$$?; \
 	echo "== tests took $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # What CI leaves out: the full compiled-path equivalence matrix (tests marked slow).
@@ -67,8 +67,13 @@ deploy-check: venv
 	@command -v promtool >/dev/null && command -v haproxy >/dev/null || bash deploy/ci-deps.sh
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/deploy
 
+# The docs site (mkdocs.yml, pages in docs/) into site/; --strict: a broken link, a missing
+# anchor or a page left out of nav fails the build.
+docs: venv
+	$(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site
 
 # Locust against a running server (make serve, or exspec-serve --free-ports): a gRPC-stream
 # and an HTTP-SSE user class, USERS of each, RUN_TIME seconds; locust's CSVs go to
