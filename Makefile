@@ -70,7 +70,7 @@ deploy-check: venv
 # The docs site (mkdocs.yml, pages in docs/) into site/; --strict: a broken link, a missing
 # anchor or a page left out of nav fails the build.
 docs: venv
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) .pytest_cache site
