@@ -7,7 +7,7 @@ with long prompts (>= 1,000 tokens) arrive, for several server arms, interleaved
 
 Each arm is NAME=VALUE[@BACKEND]: VALUE is model.json's max_num_batched_tokens (an integer, or
 null: whole prompts in one forward, or absent: the key left out, for a checkout that predates
-it); BACKEND serves the backend/ folder of another checkout (e.g. main before issue 15, for TTFT
+it); BACKEND serves the backend/ folder of another checkout (e.g. an older checkout, for TTFT
 before the first token went out ahead of the step). Per arm and repeat: a fresh tritonserver on
 a copy of --model-repository with that model.json, then locust, headless: --short-users gRPC
 users of load_tests/locustfile.py (demo prompts, --max-tokens, greedy) and --long-users users

@@ -1,4 +1,4 @@
-"""The cost of serving through Triton, measured (issue 13): the shipped model served by a real
+"""The cost of serving through Triton, measured: the shipped model served by a real
 tritonserver and driven by an outside locust client on the same machine (load_tests/run.py,
 gRPC streams, 64 tokens), against the same engine alone in this process under the same closed
 loop (engine_baseline.py), at each concurrency; cells interleaved (server, engine, engine,

@@ -1,4 +1,4 @@
-"""A/B of EXSPEC's KV storage between two checkouts (e.g. main's SlotKV before issue 14, and
+"""A/B of EXSPEC's KV storage between two checkouts (e.g. an older checkout with the SlotKV layout, and
 this tree's block store with its per-forward gather): the same greedy workload through
 LLMEngine.generate (exspec, eager path, demo pair), each checkout in its own process,
 interleaved A B A B, median tokens/s per batch size.

@@ -1,5 +1,6 @@
 """exspec-bench end to end on a tiny pair: the three output files, results.json against the
-DESIGN §3.8 schema, shares within [0, 1], and exact equivalence of the speculative methods."""
+schema (design: "Names other parts rely on"), shares within [0, 1], and exact equivalence of
+the speculative methods."""
 from __future__ import annotations
 
 import json
@@ -24,7 +25,8 @@ CELL_SCHEMA = {   # key: (allowed types, may be null)
     "ideal_tokens_per_s": (NUMBER, True), "ideal_share": (NUMBER, True),
 }
 # ideal_share (measured ÷ analytic ideal) is left out on purpose: it compares two timings taken
-# moments apart, and DESIGN §6 keeps timing claims out of tests (the benchmark reports it).
+# moments apart, and timing claims stay out of tests (design: "Testing rules"; the benchmark
+# reports it).
 SHARES = ("exact_match_share", "prefix_match_mean", "acceptance_rate", "realign_share",
           "equal_length_step_share")
 METHODS = ("autoregressive", "eqspec", "exspec", "hf_generate", "hf_assisted")

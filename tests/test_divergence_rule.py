@@ -1,4 +1,4 @@
-"""The benchmark's divergence rule (DESIGN §3.7): which first divergences a floating-point
+"""The benchmark's divergence rule (design: "Definitions"): which first divergences a floating-point
 near-tie explains, per dtype. float32: a reference top-2 gap below 1e-4 of the logit range;
 bfloat16 / float16: a gap within a few ulps of that dtype at the top logit's magnitude."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """exspec-openai (exspec.serving.openai_frontend), offline: the command it builds for Triton's
-OpenAI frontend. The frontend itself needs Triton's in-process bindings and is run by hand (README
+OpenAI frontend. The frontend itself needs Triton's in-process bindings and is run by hand (docs/serving.md,
 "Triton's OpenAI frontend"); tests/integration/test_openai_frontend.py holds our side of its
 requests."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which architectures the KV layouts serve exactly, decided when the model loads (DESIGN §3.6).
+"""Which architectures the KV layouts serve exactly, decided when the model loads (design: "Models").
 
 Both layouts (kv.PaddedKV, kv_blocks.BlockKV) keep one cache entry per committed token in
 every layer (sliding-window layers too), give every row its own positions through

@@ -1,5 +1,5 @@
-"""The compiled decode path (DESIGN §3.5a): the step's forwards through torch.compile, warmed up
-before the engine is ready.
+"""The compiled decode path (design: "The fast decode path"): the step's forwards through
+torch.compile, warmed up before the engine is ready.
 
 What is compiled: every forward of a step (the draft's first forward of 1-2 tokens per row, its
 later one-token forwards, its catch-up forward, and the verification of k + 1 tokens); a

@@ -1,4 +1,5 @@
-"""All KV-cache surgery lives here (DESIGN §3.4, §3.6): the only module that touches cache tensors.
+"""All KV-cache surgery lives here (design: "EQSPEC realignment", "Models"): the only
+module that touches cache tensors.
 
 Two layouts share one interface (attention_mask / appended / drop_tail / compact / select /
 concat), so the runner and the pool never look inside: PaddedKV here, and EXSPEC's static,

@@ -1,4 +1,4 @@
-"""EXSPEC's KV storage: static, block-allocated, one store per model (DESIGN §3.5a).
+"""EXSPEC's KV storage: static, block-allocated, one store per model (design: "EXSPEC scheduling").
 
 A separate module next to kv.py (which keeps PaddedKV, EQSPEC's baseline) because the store, its
 allocator and its cache layer are one concept of their own and together would push kv.py past
@@ -20,7 +20,7 @@ tables move). A forward gets a device block table [B, nb] (nb: the longest row's
 to a power of two on the compiled path); the cache layer writes the new entries at their slots
 and gathers each row's blocks into [B, H, nb * BLOCK_SIZE, D] for attention: dense attention
 over those columns, so a forward costs in proportion to the longest row's blocks (measured: see
-README, "The decode path"). On the eager path a group of one row whose blocks are consecutive
+the docs, "The decode path"). On the eager path a group of one row whose blocks are consecutive
 (a sequence alone in its store gets them so) skips the gather and the mask: its entries are one
 slice of each buffer, read in place, and the model's own causal mask is exact. The masks come
 from one function (kv.LayerMasks.build, one mask per layer type, sliding windows included) of
@@ -153,7 +153,7 @@ class KVStore:
         self.free_set = set(range(SCRATCH_BLOCK + 1, self.num_blocks))
         self.free_heap = sorted(self.free_set)
 
-    # -- allocation units (what admission reserves, issue 15) ----------------------------------
+    # -- allocation units (what admission reserves; design: "EXSPEC scheduling") ------------
     @staticmethod
     def units_for(num_tokens: int) -> int:
         """Blocks a sequence of `num_tokens` KV entries holds in this store."""
@@ -351,7 +351,7 @@ class BlockStores:
     @staticmethod
     def entries_for(num_tokens: int) -> int:
         """KV entries a sequence that grows to num_tokens holds in a store: whole blocks (what
-        admission reserves, issue 15)."""
+        admission reserves; design: "EXSPEC scheduling")."""
         return KVStore.units_for(num_tokens) * BLOCK_SIZE
 
     def store(self, model) -> KVStore:

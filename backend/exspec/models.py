@@ -1,4 +1,4 @@
-"""Loading the target / draft pair and the tokenizer (DESIGN §3.6)."""
+"""Loading the target / draft pair and the tokenizer (design: "Models")."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,5 @@
-"""SequencePool: every admitted, unfinished sequence with its caches, and the tick (DESIGN §3.5).
+"""SequencePool: every admitted, unfinished sequence with its caches, and the tick
+(design: "EXSPEC scheduling").
 
 tick = choose a group and its k -> prefill within the tick's token budget (chunks of long
 prompts, short ones batched) -> [first tokens go out] -> step -> realign -> retire.

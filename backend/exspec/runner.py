@@ -1,4 +1,5 @@
-"""ModelRunner: prefill a group, and one speculative (or plain) step on a group (DESIGN §3.3).
+"""ModelRunner: prefill a group, and one speculative (or plain) step on a group
+(design: "One speculative step").
 
 step = draft k tokens with the draft's own cache -> verify [pending, d1..dk] in one target pass
 -> accept -> commit per row -> cut both caches back to I3. The acceptance rules are in sampler.py:

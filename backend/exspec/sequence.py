@@ -1,4 +1,4 @@
-"""Sequence: one request's whole state, as explicit counters (DESIGN §3.1).
+"""Sequence: one request's whole state, as explicit counters (design: "State").
 
 Padding is never inferred from token values and EOS is never searched for in the prompt: each
 sequence knows how many of its tokens each model has cached, and stops by the rules of I5.

@@ -1,4 +1,4 @@
-"""Engine statistics (DESIGN §3.8 keys) and phase timers.
+"""Engine statistics (keys: design: "Names other parts rely on") and phase timers.
 
 On a CPU a phase is wall time. On a GPU the work of a phase is only queued when its Python code
 returns, and synchronising to time it would stall the device at every phase (16 host round

@@ -4,7 +4,7 @@ benchmark, and said out loud.
 torch's default is one intra-op thread per core, whose OpenMP workers spin at every kernel's
 barrier. On a machine whose cores are shared (Triton's own threads, a load client, another
 model instance) a preempted worker stalls every kernel of the step. Measured here (2 cores, the
-demo pair served, a locust client on the same machine, README "Threads"): 206 vs 139 output
+demo pair served, a locust client on the same machine, docs/serving.md, "Threads"): 206 vs 139 output
 tokens/s with one thread vs two at concurrency 1, 488 vs 341 at concurrency 4. Tiny per-token
 kernels gain little from a second thread anyway, so the default is one thread; a machine with
 cores to spare sets more explicitly.

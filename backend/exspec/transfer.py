@@ -1,4 +1,4 @@
-"""Host <-> device copies of the hot path, in one place and counted (issue 13).
+"""Host <-> device copies of the hot path, in one place and counted (design: "The fast decode path").
 
 On a GPU every host round trip in a step stalls the device. A step needs only two: its new
 inputs go up once (`to_device`, staged in pinned memory and copied without blocking) and its

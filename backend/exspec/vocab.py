@@ -1,4 +1,4 @@
-"""Draft and target vocabularies that differ only by padding rows (DESIGN §3.6).
+"""Draft and target vocabularies that differ only by padding rows (design: "Models").
 
 Qwen2.5-7B has 152,064 logits and Qwen2.5-0.5B 151,936, with one tokenizer of 151,665 tokens:
 every row past the tokenizer is padding. The draft is made to speak the target's vocabulary

@@ -105,7 +105,7 @@ class Result:
 
 def sampling_json(max_tokens: int | None = None, temperature: float | None = None,
                   **more) -> str:
-    """The sampling_parameters JSON string (DESIGN §4): only the keys that were given."""
+    """The sampling_parameters JSON string (design: "The Triton adapter"): only the keys that were given."""
     values = {"max_tokens": max_tokens, "temperature": temperature, **more}
     return json.dumps({k: v for k, v in values.items() if v is not None})
 

@@ -1,6 +1,6 @@
 """Two replicas on loopback behind HAProxy: a TCP (layer 4) balancer pins every stream of one
 client channel to one server; an HTTP/2-aware one spreads them stream by stream. This is why
-the README asks for an HTTP/2-aware ingress for gRPC, or client-side round robin. The shipped
+docs/deploy.md asks for an HTTP/2-aware ingress for gRPC, or client-side round robin. The shipped
 client (exspec_client) opens one stream per generation and spreads behind the HTTP/2 one."""
 from __future__ import annotations
 

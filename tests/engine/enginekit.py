@@ -224,7 +224,7 @@ def run_schedule(engine, arrivals, aborts, params):
 def bf16_divergence(target, prompt: list[int], got: list[int], max_tokens: int):
     """None when `got` equals the bf16 target's own greedy output (batch 1, on its device);
     else (position, top-2 gap, top logit, near tie by the benchmark's rule) at the first
-    difference (DESIGN §3.7)."""
+    difference (design: "Definitions")."""
     from exspec.bench.equivalence import common_prefix, is_near_tie
     device = target.device
     with torch.no_grad():

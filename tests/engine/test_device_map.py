@@ -56,7 +56,7 @@ def _assert_greedy_matches_target(engine, pairs, reference, label):
     max_tokens = [24] * len(prompts)
     outs = engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
     # the reference is HF generate on the CPU in float32: a GPU float32 matmul can only
-    # differ at a true tie (DESIGN §3.7), which these seeded tiny models do not have
+    # differ at a true tie (design: "Definitions"), which these seeded tiny models do not have
     assert_equivalent(outs, prompts, max_tokens, reference, pairs["llama", "target"], 256, label=label)
 
 

@@ -1,4 +1,4 @@
-"""Sliding-window layers are exact while the window really slides (DESIGN §3.6).
+"""Sliding-window layers are exact while the window really slides (design: "Models").
 
 The window (5) is shorter than what every row grows to, so each row's window starts moving in
 the middle of generation, at a different step for each row (the prompts differ in length); the
@@ -91,7 +91,7 @@ def test_sliding_window_on_the_compiled_path(model_type, method, monkeypatch):
     """enforce_eager false: the compiled forwards take the dict of masks by layer type like one
     mask; exact, and on EXSPEC's block store nothing recompiles or breaks the graph after the
     warm-up (Dynamo's own counters; the eager backend, as in test_compiled.py). EQSPEC's
-    PaddedKV recompiles on its DynamicCache tensors whatever the mask (issue 14's domain), so
+    PaddedKV recompiles on its DynamicCache tensors whatever the mask (a limit of that layout), so
     there only exactness is held."""
     monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
     torch._dynamo.reset()

@@ -1,7 +1,7 @@
-"""A speculative step crosses between host and device at most twice (issue 13): its new inputs
-go up in one copy and its accepted counts and tokens come down in one. Counted on CPU with
-TransferAudit, which sees every crossing a GPU run would make (tensors built from host data,
-`.item()` / `bool()` / `int()` reads, `.tolist()`), so the budget holds without a GPU."""
+"""A speculative step crosses between host and device at most twice (design: "The fast decode
+path"): its new inputs go up in one copy and its accepted counts and tokens come down in one.
+Counted on CPU with TransferAudit, which sees every crossing a GPU run would make (tensors built
+from host data, `.item()` / `bool()` / `int()` reads, `.tolist()`), so the budget holds without a GPU."""
 from __future__ import annotations
 
 import warnings

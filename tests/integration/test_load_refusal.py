@@ -1,5 +1,5 @@
 """A model the layouts cannot serve exactly fails its load in Triton, with the reason, instead of
-reporting READY and failing every request (issue 16).
+reporting READY and failing every request (design: "Models").
 
 One server, two models: `local` (a tiny GPT-Neo pair with a local attention layer, whose window
 comes from column indices inside the model, not from the mask) must be UNAVAILABLE with the engine's ModelLoadError as the reason, in the repository index and in

@@ -8,7 +8,7 @@ set, 16 unless asked), sends `exclude_input_in_output = not echo` (true when ech
 asks for num_input_tokens / num_output_tokens on every request, and return_logprobs. It reads
 usage from those two outputs (summing num_output_tokens over streamed chunks), text from
 text_output, and the echo tensor's name from the model config. The frontend itself is not run in
-CI (its in-process bindings are built from Triton's sources, see README "Triton's OpenAI
+CI (its in-process bindings are built from Triton's sources, see docs/serving.md, "Triton's OpenAI
 frontend"); these tests pin what it needs from us.
 """
 from __future__ import annotations
@@ -85,7 +85,8 @@ def test_model_config_names_the_echo_input_the_frontend_looks_for(server):
 
 
 # From here on every test sends the neutral sampling values, so each needs the vLLM-contract
-# change to the request parser (issue 18); before it they fail on "unknown sampling parameter".
+# change to the request parser (the drop-in contract, design: "The Triton adapter"); before it
+# they fail on "unknown sampling parameter".
 
 @pytest.mark.parametrize("field,value", [("n", 2), ("presence_penalty", 0.5)])
 def test_non_neutral_vllm_value_is_refused_by_name(server, field, value):
@@ -127,7 +128,7 @@ def test_echo_prepends_the_prompt(server, greedy):
 def test_streamed_echo_is_refused_in_one_final_response(server):
     """echo with stream (exclude_input_in_output=false while streaming) is refused, as the vLLM
     backend refuses it, in one final error response that says why; the frontend then ends the
-    HTTP stream (the openai client reports a connection error, README)."""
+    HTTP stream (the openai client reports a connection error, docs/serving.md)."""
     call = grpc_one(server.urls["grpc"], MODEL, **frontend_request(
         PROMPT, echo=True, stream=True, temperature=0, max_tokens=12))
     [response] = call.responses

@@ -1,4 +1,5 @@
-"""DESIGN §4 response rules, input/return flags, parameter parsing and bad inputs."""
+"""The response rules (design: "The Triton adapter"), input/return flags, parameter parsing and
+bad inputs."""
 from __future__ import annotations
 
 import itertools

@@ -1,4 +1,4 @@
-"""The drop-in contract with Triton's vLLM backend (DESIGN §4) on the real server: vLLM's
+"""The drop-in contract with Triton's vLLM backend (design: "The Triton adapter") on the real server: vLLM's
 neutral sampling values and Triton's transport parameters, logprobs in vLLM's format and
 meaning, its error text for streaming with the prompt, the streaming granularity, its vllm:
 metric families under REPORT_CUSTOM_METRICS, and the unary model's max_tokens input."""

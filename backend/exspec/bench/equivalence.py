@@ -1,4 +1,4 @@
-"""Output equivalence (DESIGN §3.7): every run's rows against target-only greedy Hugging Face
+"""Output equivalence (design: "Definitions"): every run's rows against target-only greedy Hugging Face
 `generate` at batch size 1, with the reference's top-2 logit gap at every first divergence; in a
 sampled run, against the target-only seeded output (the engine's autoregressive path, batch 1,
 gumbel coupling), which the gumbel coupling must equal and rejection sampling need not."""
@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from .methods import CellKey, HFModels, Run
 
 
-FLOAT32_TIE = 1e-4   # DESIGN §3.7: a top-2 gap below this share of the logit range
+FLOAT32_TIE = 1e-4   # design: "Definitions": a top-2 gap below this share of the logit range
 TIE_ULPS = 4         # bf16 / fp16: a top-2 gap within this many ulps at the top logit
 
 

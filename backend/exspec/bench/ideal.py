@@ -1,4 +1,4 @@
-"""The analytic ideal of an engine run (DESIGN §3.7), from measured forward costs."""
+"""The analytic ideal of an engine run (design: "Definitions"), from measured forward costs."""
 from __future__ import annotations
 
 import statistics

@@ -1,5 +1,5 @@
 """`python -m exspec.bench.overhead`: the engine's own forward against a plain Hugging Face
-forward of the same tokens (issue 13): one decoding token per row on a cache of the same
+forward of the same tokens: one decoding token per row on a cache of the same
 length, for each model of the pair, each layout (EQSPEC's padded cache, EXSPEC's row-offset
 cache) and batch size. Rows are copies of one prompt, so they stay uniform and the engine
 passes no mask, as HF's own decoding does. Interleaved rounds (HF, eqspec, exspec, HF, ...),

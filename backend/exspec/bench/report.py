@@ -1,4 +1,5 @@
-"""The benchmark's three output files (DESIGN §3.8): results.json, results.md, throughput.png."""
+"""The benchmark's three output files: results.json, results.md, throughput.png (their names
+and schema: design: "Names other parts rely on")."""
 from __future__ import annotations
 
 import json

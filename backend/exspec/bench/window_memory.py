@@ -1,4 +1,4 @@
-"""KV memory of sliding-window layers over a long generation (issue 17).
+"""KV memory of sliding-window layers over a long generation (design: "Models").
 
 The layouts keep every entry of a sliding layer, out of the window or not (kv.new_cache), and
 mask the old ones out. This measures what that costs: a Gemma 3-shaped tiny pair (five sliding

@@ -4,7 +4,7 @@ The Dockerfile, the launcher (`exspec-serve`) and CI all call this, so every one
 from the same layout:
 
     <backends>/python/   libtriton_python.so, triton_python_backend_utils.py and the stub built
-                         for the Python that will run the models (DESIGN §5)
+                         for the Python that will run the models (design: "Running Triton")
     <backends>/exspec/   model.py, the adapter's helper modules, and the engine package exspec/
 
 Triton finds no libtriton_exspec.so in <backends>/exspec, sees model.py, and runs it through the

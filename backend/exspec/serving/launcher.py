@@ -12,7 +12,7 @@ SIGTERM. Tests use `TritonServer` as a context manager. This module never import
 Triton: it copies files (exspec.serving.install) and runs a process.
 
 For an OpenAI-compatible API instead of KServe's, run Triton's OpenAI frontend with
-`exspec-openai` (exspec.serving.openai_frontend; README "Triton's OpenAI frontend").
+`exspec-openai` (exspec.serving.openai_frontend; docs/serving.md, "Triton's OpenAI frontend").
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from .ports import PortReservation, ports_in_use, reserve_ports
 
 
 def stub_environment(base: dict | None = None, dist: TritonDist | None = None) -> dict:
-    """Environment in which the Python backend stub runs this interpreter (DESIGN §5 trap).
+    """Environment in which the Python backend stub runs this interpreter (design: "Running Triton").
 
     The stub embeds the libpython it was linked against and finds its standard library and
     site-packages from the first `python3` on PATH. So: this interpreter's bin first on PATH,

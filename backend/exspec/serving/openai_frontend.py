@@ -16,7 +16,7 @@ module only prepares its run and then replaces itself with it (exec):
 The frontend has no --backend-directory flag (its in-process server defaults to
 /opt/tritonserver/backends), so a three-line bootstrap hands our folder to tritonserver.Server
 before the frontend's main.py runs. Outside an image the frontend's Python needs its
-requirements and Triton's in-process bindings (README "Triton's OpenAI frontend").
+requirements and Triton's in-process bindings (docs/serving.md, "Triton's OpenAI frontend").
 """
 from __future__ import annotations
 
