@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from dataclasses import dataclass
 
 from .faults import Faults
 from .sampler import COUPLINGS
+from .vllm_args import translate
+
+log = logging.getLogger("exspec")
 
 METHODS = ("exspec", "eqspec", "autoregressive")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -47,6 +51,10 @@ class EngineConfig:
     max_batch_size: int = 8               # rows verified in one step
     max_num_seqs: int = 64                # sequences holding KV state in the pool
     max_num_kv_tokens: int | None = None  # KV entries (both models) in the pool; None = no limit on CPU
+    gpu_memory_utilization: float | None = None   # vLLM's meaning: the share of the GPU's memory
+                                          # this engine may hold (weights, warm-up, KV); sets the
+                                          # KV budget on CUDA when max_num_kv_tokens is unset;
+                                          # None: 90% of the memory free after loading
     max_num_batched_tokens: int | None = 2048   # tokens one tick feeds the target (prefill chunks +
                                           # the step's verified tokens); None: whole prompts at once
     max_queue_len: int = 256              # waiting requests beyond the pool; more are refused as busy
@@ -124,6 +132,12 @@ class EngineConfig:
                 or not 0 <= self.draft_stop_confidence < 1):
             raise ValueError(f"draft_stop_confidence must be \"auto\" or a number in [0, 1), "
                              f"got {self.draft_stop_confidence!r}")
+        if self.gpu_memory_utilization is not None and (
+                isinstance(self.gpu_memory_utilization, bool)
+                or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
         if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
             raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
 
@@ -152,7 +166,11 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":
-        """Build from model.json-style keys; unknown keys are an error that names them."""
+        """Build from model.json-style keys, vLLM's engine arguments included (vllm_args.py);
+        unknown keys are an error that names them."""
+        values, notes = translate(values)
+        for note in notes:
+            log.warning("exspec: model.json: %s", note)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

@@ -45,20 +45,24 @@ def _load_libc():
 _LIBC = _load_libc()
 
 
-def _free_memory(device: torch.device) -> int:
-    """Free bytes on a GPU for this process: the device's free memory, or less where a
-    per-process cap (torch.cuda.set_per_process_memory_fraction) leaves less."""
+def _free_memory(device: torch.device, utilization: float | None = None) -> int:
+    """Bytes on a GPU this engine may still take: the device's free memory, or less where a
+    per-process cap (torch.cuda.set_per_process_memory_fraction) leaves less; with vLLM's
+    `utilization`, that share of the device's memory less what this process holds already."""
     free, total = torch.cuda.mem_get_info(device)
     cap = torch.cuda.get_per_process_memory_fraction(device) * total
+    if utilization is not None:
+        cap = min(cap, utilization * total)
     return int(min(free, cap - torch.cuda.memory_reserved(device)))
 
 
-def kv_token_budget(*models, share: float = 0.9) -> int:
-    """KV entries (both models counted, as the pool counts them) that the free memory of the
-    models' GPUs holds once they are loaded, keeping 10% for activations and the allocator.
-    A target spread over GPUs keeps each layer's cache on its layer's GPU: their free memory
-    adds up."""
-    free = sum(_free_memory(d) for d in model_devices(*models))
+def kv_token_budget(*models, utilization: float | None = None) -> int:
+    """KV entries (both models counted, as the pool counts them) that the models' GPUs hold
+    once they are loaded: 90% of the free memory (the rest for activations and the
+    allocator), or what vLLM's gpu_memory_utilization leaves. A target spread over GPUs keeps
+    each layer's cache on its layer's GPU: their free memory adds up."""
+    share = 0.9 if utilization is None else 1.0
+    free = sum(max(0, _free_memory(d, utilization)) for d in model_devices(*models))
     per_entry = []
     for model in (m for m in models if m is not None):
         cfg = model.config.get_text_config(decoder=True)
@@ -87,7 +91,13 @@ class LLMEngine:
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len - 1,
                                      self.max_model_len - 1)
         if config.max_num_kv_tokens is None and config.device.startswith("cuda"):
-            config.max_num_kv_tokens = kv_token_budget(self.target, self.draft)
+            config.max_num_kv_tokens = kv_token_budget(self.target, self.draft,
+                                                       utilization=config.gpu_memory_utilization)
+            if config.max_num_kv_tokens <= 0:
+                raise ModelLoadError(f"no GPU memory is left for the KV cache once the models are "
+                                     f"loaded (gpu_memory_utilization "
+                                     f"{config.gpu_memory_utilization}); raise it or set "
+                                     f"max_num_kv_tokens")
         self.stats_ = Stats(model_devices(self.target, self.draft) | {torch.device(config.device)})
         pad_id = self.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else min(self.eos_ids, default=0)

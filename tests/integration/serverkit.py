@@ -11,7 +11,9 @@ and the repository's own config files, and serves three models from one server:
                  pool and queue, for the busy and per-request-k tests;
 - tokenwise      the exspec pair again, streaming one response per token and publishing
                  the vLLM backend's vllm: metric families (REPORT_CUSTOM_METRICS), for the
-                 drop-in tests.
+                 drop-in tests;
+- vllm_plain, vllm_spec  the exspec pair under model.json files in vLLM's own words (the vLLM
+                 backend's sample, without and with a speculative_config).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import torch  # noqa: E402
 
 from exspec.serving.launcher import TritonServer  # noqa: E402
 from exspec.demo.tiny import build_tokenizer, gpt2, llama, noisy_copy, save_pair  # noqa: E402
-from modelrepo import copy_unary, write_model  # noqa: E402,F401  (tests/modelrepo.py)
+from modelrepo import copy_unary, write_model, write_model_json  # noqa: E402,F401  (tests/modelrepo.py)
 
 SCRIPT = "日本語🚀 STOP here.ü"   # the scripted model's greedy output cycles through this
 MODELS = {
@@ -48,6 +50,9 @@ MODELS = {
               "max_num_seqs": 1, "max_queue_len": 1, "default_max_tokens": 8,
               "max_output_tokens": 200},
 }
+
+# Triton's vLLM backend's sample model.json (its README), keys exspec spells otherwise included.
+VLLM_SAMPLE = {"disable_log_requests": True, "gpu_memory_utilization": 0.5, "enforce_eager": True}
 
 # The vLLM backend's switch for its vllm: metric families, as its CI appends it to config.pbtxt.
 REPORT_CUSTOM_METRICS = '\nparameters: { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n'
@@ -96,6 +101,11 @@ def build_repository(root: Path) -> Path:
         write_model(repo, name, pairs / name, engine)
     write_model(repo, "tokenwise", pairs / "exspec", {**MODELS["exspec"], "stream_granularity": "token"},
                 config_extra=REPORT_CUSTOM_METRICS)
+    vllm = {"model": str(pairs / "exspec" / "target"), "tokenizer": str(pairs / "exspec" / "tokenizer"),
+            **VLLM_SAMPLE}
+    write_model_json(repo, "vllm_plain", vllm)
+    write_model_json(repo, "vllm_spec", {**vllm, "disable_log_stats": True, "speculative_config": {
+        "model": str(pairs / "exspec" / "draft"), "num_speculative_tokens": 4}})
     copy_unary(repo)
     return repo
 

@@ -216,3 +216,22 @@ def test_unary_max_tokens_input_and_parameter_must_agree(server):
     from tritonclient.utils import InferenceServerException
     with pytest.raises(InferenceServerException, match="max_tokens given twice"):
         _unary(server, 5, {"max_tokens": 7})
+
+
+# -- model.json in vLLM's own words ------------------------------------------------------------------
+@pytest.mark.parametrize("model", ["vllm_plain", "vllm_spec"])
+def test_a_vllm_model_json_serves_the_target_s_own_tokens(server, model):
+    """The vLLM backend's sample model.json (and with a speculative_config) loads and serves the
+    same greedy tokens as exspec's own model.json on the same pair; only the one with a
+    speculative_config drafts."""
+    def served(name):
+        call = grpc_one(server.urls["grpc"], name, prompt=PROMPT, stream=False,
+                        sampling={"max_tokens": 12, "ignore_eos": True}, exclude_input_in_output=True)
+        assert call.responses[0].error is None, call.responses[0].error
+        return call
+    vllm = served(model)
+    assert vllm.ids() == served("exspec").ids() and len(vllm.ids()) == 12
+    drafted = int(vllm.responses[-1].outputs["total_draft_tokens"][0])
+    assert (drafted > 0) == (model == "vllm_spec"), drafted
+    log = (server.log_path.read_text() if server.log_path else "")
+    assert "disable_log_requests = True: ignored" in log

@@ -1,0 +1,97 @@
+"""vLLM's engine arguments in model.json: mapped, ignored with a log line, or refused by name."""
+import logging
+
+import pytest
+import torch
+
+from exspec import EngineConfig, LLMEngine, SamplingParams
+from exspec import engine as engine_module
+
+from enginekit import make_prompts
+
+# Triton's vLLM backend sample model.json, with our tiny pair's paths in it.
+VLLM_SAMPLE = {"disable_log_requests": True, "gpu_memory_utilization": 0.5, "enforce_eager": True}
+
+
+def vllm_json(pairs, **extra) -> dict:
+    return {"model": pairs["llama", "target"], "tokenizer": pairs["tokenizer"], **VLLM_SAMPLE, **extra}
+
+
+def test_the_vllm_sample_loads_as_the_target_alone_and_logs_what_it_ignores(pairs, caplog):
+    with caplog.at_level(logging.WARNING, logger="exspec"):
+        config = EngineConfig.from_dict(vllm_json(pairs, disable_log_stats=True))
+    assert config.target_model == pairs["llama", "target"]
+    assert config.method == "autoregressive" and config.draft_model is None
+    assert config.gpu_memory_utilization == 0.5 and config.enforce_eager is True
+    logged = caplog.text
+    assert "disable_log_requests = True: ignored" in logged
+    assert "disable_log_stats = True: ignored" in logged
+
+
+def test_speculative_config_names_the_draft_and_k(pairs):
+    config = EngineConfig.from_dict(vllm_json(pairs, speculative_config={
+        "model": pairs["llama", "noisy"], "num_speculative_tokens": 3}))
+    assert config.method == "exspec"
+    assert config.draft_model == pairs["llama", "noisy"] and config.num_speculative_tokens == 3
+    # vLLM's explicit method name for a draft model is the same thing
+    again = EngineConfig.from_dict(vllm_json(pairs, speculative_config={
+        "method": "draft_model", "model": pairs["llama", "noisy"]}))
+    assert again.draft_model == pairs["llama", "noisy"] and again.num_speculative_tokens == 5
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("tensor_parallel_size", 2, "tensor_parallel_size = 2 is not supported"),
+    ("quantization", "awq", "quantization = 'awq' is not supported"),
+    ("enable_lora", True, "enable_lora = True is not supported"),
+    ("kv_cache_dtype", "fp8", "kv_cache_dtype = 'fp8' is not supported"),
+    ("speculative_config", {"method": "eagle", "model": "x"}, "method 'eagle' is not supported"),
+    ("speculative_config", {"model": "x", "acceptance_method": "typical"},
+     "speculative_config keys not supported by exspec: acceptance_method"),
+    ("speculative_config", {"num_speculative_tokens": 3}, "speculative_config needs 'model'"),
+    ("target_model", "x", "sets both 'model'"),
+    ("gpu_memory_utilization", 1.5, r"gpu_memory_utilization must be a number in \(0, 1\]"),
+    ("colour", "blue", "unknown engine config keys: colour"),
+])
+def test_values_exspec_cannot_honour_are_refused_by_name(pairs, key, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_dict(vllm_json(pairs, **{key: value}))
+
+
+def test_neutral_values_and_vllm_spellings_are_accepted(pairs):
+    config = EngineConfig.from_dict(vllm_json(pairs, tensor_parallel_size=1, quantization=None,
+                                              kv_cache_dtype="auto", dtype="float", seed=3,
+                                              max_model_len=200, max_num_seqs=16))
+    assert (config.dtype, config.seed, config.max_model_len, config.max_num_seqs) == ("float32", 3, 200, 16)
+    assert EngineConfig.from_dict(vllm_json(pairs, dtype="auto")).dtype == "float32"
+    assert EngineConfig.from_dict(vllm_json(pairs, dtype="half")).dtype == "float16"
+
+
+def test_a_vllm_model_json_serves_the_same_tokens_as_the_native_one(pairs):
+    """The translation changes names only: the vLLM spelling and exspec's own generate alike."""
+    common = dict(max_batch_size=4, adaptive_k=False, num_speculative_tokens=3)
+    native = LLMEngine(EngineConfig.from_dict({
+        "target_model": pairs["llama", "target"], "draft_model": pairs["llama", "noisy"],
+        "tokenizer": pairs["tokenizer"], **common}))
+    vllm = LLMEngine(EngineConfig.from_dict(vllm_json(pairs, max_batch_size=4, adaptive_k=False,
+        speculative_config={"model": pairs["llama", "noisy"], "num_speculative_tokens": 3})))
+    plain = LLMEngine(EngineConfig.from_dict(vllm_json(pairs, max_batch_size=4)))
+    prompts = make_prompts(320, None, seed=4, count=4, max_len=20)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in native.generate(prompts, params)]
+    assert [o.token_ids for o in vllm.generate(prompts, params)] == expected
+    assert [o.token_ids for o in plain.generate(prompts, params)] == expected
+    assert vllm.stats()["draft_tokens"] > 0 and plain.stats()["draft_tokens"] == 0
+
+
+def test_gpu_memory_utilization_caps_the_kv_budget_at_that_share_of_the_gpu(monkeypatch):
+    """vLLM's meaning: this engine may hold that share of the device's memory in all; the KV
+    budget is what the weights already held leave of it (the device's own numbers, patched:
+    this machine has no GPU)."""
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (70 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 10 * gib)
+    device = torch.device("cuda", 0)
+    assert engine_module._free_memory(device) == 70 * gib                     # free
+    assert engine_module._free_memory(device, utilization=0.5) == 30 * gib    # 40 GiB share - 10
+    assert engine_module._free_memory(device, utilization=0.1) == -2 * gib    # weights past it
