@@ -93,10 +93,6 @@ class LayerMasks:
                                      "windows, and the model takes one mask per layer type")
         return cls(windows, model.dtype)
 
-    @property
-    def all_full(self) -> bool:
-        return all(window is None for window in self.windows.values())
-
     def build(self, key_pos: torch.Tensor, key_valid: torch.Tensor | None, query_pos: torch.Tensor):
         """The additive [B, 1, q, L] mask of each layer type, from the key positions ([L], alike
         for every row, or [B, L]), their validity [B, L] (None: every column) and the query

@@ -159,10 +159,6 @@ class KVStore:
         """Blocks a sequence of `num_tokens` KV entries holds in this store."""
         return -(-num_tokens // BLOCK_SIZE)
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_set)
-
     def allocate(self, count: int, after: int | None = None) -> list[int]:
         """`count` free blocks: each the one right after the previous (after `after`, a row's
         last block) when that is free, else the lowest free one. A row's blocks then stay
@@ -251,9 +247,6 @@ class BlockKV:
     def allocated_tokens(self) -> int:
         """Token slots held by the rows' blocks (used ones and room to grow)."""
         return sum(len(t.blocks) for t in self.tables) * BLOCK_SIZE
-
-    def used_tokens(self) -> int:
-        return sum(t.length for t in self.tables)
 
     # -- a forward pass -----------------------------------------------------------------------
     def attention_mask(self, input_valid: torch.Tensor, counts: list[int],

@@ -1,5 +1,5 @@
 """`exspec-bench`: throughput, output equivalence and overheads, method by method and batch size
-by batch size (DESIGN §3.7 definitions, §3.8 output files).
+by batch size. Terms: (design: "Definitions"); output files: (design: "Names other parts rely on").
 
 Methods: the engine's `autoregressive`, `eqspec` and `exspec`, and two Hugging Face baselines:
 `hf_generate` (batched, left-padded, greedy, no draft) and `hf_assisted` (assisted generation
@@ -288,16 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     args = parse_args(argv)
     command = "exspec-bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    threads = apply_threads(choose_threads(args.threads))
-    args.threads = threads.intra_op
-    print(f"exspec-bench: {threads.describe()}", file=sys.stderr)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()   # weight loading, once per engine
+    set_up(args)
     progress = not args.no_progress
-    from .. import compiled
-    compiled.COMPILE_BACKEND = args.compile_backend
     pair = resolve_pair(args)
     speculative_wanted = any(m in SPECULATIVE for m in args.methods)
     if speculative_wanted and not args.draft:
@@ -309,78 +301,20 @@ def main(argv: list[str] | None = None) -> int:
                                              tokenizer=args.tokenizer, device=args.device,
                                              dtype=args.dtype,
                                              method="exspec" if args.draft else "autoregressive"))
-    prompts = read_prompts(args.prompts, args.num_prompts)
-    room = hf.max_model_len - args.max_tokens - args.k - 1
-    for p in prompts:
-        p.ids = hf.tokenizer.encode(p.text, add_special_tokens=False)
-    kept = [p for p in prompts if 0 < len(p.ids) <= room]
-    if len(kept) < len(prompts):
-        warnings.warn(f"skipped {len(prompts) - len(kept)} prompts longer than {room} tokens "
-                      f"(or empty)", stacklevel=1)
-    prompts = kept
-    if not prompts:
-        raise SystemExit("exspec-bench: no usable prompts")
-
+    prompts = usable_prompts(args, hf)
     sampled = args.temperature > 0
-    reference_ids = None
-    if sampled:   # the target-only seeded output: the autoregressive path, batch 1, gumbel
-        key = CellKey("autoregressive", 1, 0, None, "gumbel")
-        reference_ids = EngineMethod(key, args, len(prompts)).run(prompts, args.max_tokens).outputs
-    reference = Reference(hf, prompts, args.max_tokens, progress, reference_ids)
+    reference = reference_outputs(args, hf, prompts, sampled, progress)
     typical = round(statistics.mean(len(p.ids) for p in prompts) + args.max_tokens / 2)
     costs = CostModel(hf, typical)
 
     couplings = args.sampling_couplings if sampled else [None]
     plan = [(b, cell_keys(args.methods, b, args.k, couplings, args.paths, args.fixed_k))
             for b in args.batch_sizes]
-    warm_ups = []
-    total = sum(len(keys) * (args.repeats + 1) for _, keys in plan)
-    runs: dict[CellKey, list[Run]] = {}
     start = time.perf_counter()
-    with tqdm(total=total, desc="runs", unit="run", disable=not progress) as bar:
-        for batch_size, keys in plan:
-            methods = {}
-            for key in keys:                       # build and warm up every method of this size
-                bar.set_postfix_str(f"B={batch_size} warm-up {key.label}")
-                methods[key] = make_method(key, args, hf, len(prompts))
-                warm = getattr(methods[key], "warm_up", None)
-                if warm is not None:
-                    warm_ups.append({"label": key.label, "batch_size": batch_size, "graphs": warm.graphs,
-                                     "graph_breaks": warm.graph_breaks, "seconds": warm.seconds})
-                # one untimed run of the whole workload: what a method learns or caches
-                # (adaptive k's step costs and hazards, allocator pools) reaches its steady
-                # state, as in a server that has been up a while (a short warm-up left
-                # adaptive k exploring in the timed runs)
-                methods[key].run(prompts, args.max_tokens)
-                bar.update()
-            for r in range(args.repeats):
-                order = rotated(keys, r)
-                # tick: the repeat's cells side by side, tick by tick; run: one after another
-                for together in ([order] if args.interleave == "tick" else [[key] for key in order]):
-                    bar.set_postfix_str(f"B={batch_size} run {r + 1}/{args.repeats} "
-                                        + (together[0].label if len(together) == 1 else "all cells"))
-                    timed = run_interleaved([methods[key] for key in together], prompts,
-                                            args.max_tokens, args.device)
-                    for key, run in zip(together, timed):
-                        if run.stats is not None:   # sample its forward shapes under today's load
-                            costs.measure(costs.shapes(run.stats["steps_by_shape"]))
-                        runs.setdefault(key, []).append(run)
-                        bar.update()
-            del methods
+    runs, warm_ups = run_plan(plan, args, hf, prompts, costs, progress)
     bench_seconds = time.perf_counter() - start
-    paths = None
-    if "compiled" in args.paths:   # per-forward costs, on one compiled engine's runner
-        key = CellKey("exspec" if args.draft else "autoregressive", 8, args.k, False, None, "compiled")
-        method = EngineMethod(key, args, len(prompts))
-        paths = {"forward_ms": forward_costs(method.engine, [1, 8], args.k), "warm_up": warm_ups}
-
-    cells, divergences = [], []
-    for key, key_runs in tqdm(runs.items(), desc="equivalence", disable=not progress):
-        cell, div = summarize(key, key_runs, reference, costs)
-        cells.append(cell)
-        if key.coupling != "rejection":   # equal in distribution only: every row may differ
-            divergences += div
-    add_speedups(cells)
+    paths = path_costs(args, prompts, warm_ups)
+    cells, divergences = equivalence_cells(runs, reference, costs, progress)
 
     config = {"pair": pair, "target": args.target, "draft": args.draft, "tokenizer": args.tokenizer,
               "prompts": str(args.prompts) if args.prompts else None, "num_prompts": len(prompts),
@@ -399,11 +333,116 @@ def main(argv: list[str] | None = None) -> int:
     if paths is not None:
         results["paths"] = paths
     from .report import write_outputs
-    paths = write_outputs(results, divergences, args.out)
-    for path in paths:
+    for path in write_outputs(results, divergences, args.out):
         print(path)
     return 0
 
+
+def set_up(args):
+    """Threads (args.threads becomes the intra-op count chosen), quiet transformers, the
+    compile backend."""
+    threads = apply_threads(choose_threads(args.threads))
+    args.threads = threads.intra_op
+    print(f"exspec-bench: {threads.describe()}", file=sys.stderr)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()   # weight loading, once per engine
+    from .. import compiled
+    compiled.COMPILE_BACKEND = args.compile_backend
+
+
+def usable_prompts(args, hf: HFModels) -> list[Prompt]:
+    """The prompts as token ids, without those that leave no room for max_tokens and k."""
+    prompts = read_prompts(args.prompts, args.num_prompts)
+    room = hf.max_model_len - args.max_tokens - args.k - 1
+    for p in prompts:
+        p.ids = hf.tokenizer.encode(p.text, add_special_tokens=False)
+    kept = [p for p in prompts if 0 < len(p.ids) <= room]
+    if len(kept) < len(prompts):
+        warnings.warn(f"skipped {len(prompts) - len(kept)} prompts longer than {room} tokens "
+                      f"(or empty)", stacklevel=2)
+    if not kept:
+        raise SystemExit("exspec-bench: no usable prompts")
+    return kept
+
+
+def reference_outputs(args, hf: HFModels, prompts: list[Prompt], sampled: bool,
+                      progress: bool) -> Reference:
+    """Target-only greedy HF generate; sampled: the target-only seeded output (the
+    autoregressive path, batch 1, gumbel)."""
+    reference_ids = None
+    if sampled:
+        key = CellKey("autoregressive", 1, 0, None, "gumbel")
+        reference_ids = EngineMethod(key, args, len(prompts)).run(prompts, args.max_tokens).outputs
+    return Reference(hf, prompts, args.max_tokens, progress, reference_ids)
+
+
+def run_plan(plan: list, args, hf: HFModels, prompts: list[Prompt], costs: CostModel,
+             progress: bool) -> tuple[dict[CellKey, list[Run]], list[dict]]:
+    """Every batch size's cells: built and warmed up, then --repeats timed runs each; returns
+    the runs per cell and the compiled warm-ups."""
+    warm_ups = []
+    total = sum(len(keys) * (args.repeats + 1) for _, keys in plan)
+    runs: dict[CellKey, list[Run]] = {}
+    with tqdm(total=total, desc="runs", unit="run", disable=not progress) as bar:
+        for batch_size, keys in plan:
+            methods = {}
+            for key in keys:                       # build and warm up every method of this size
+                bar.set_postfix_str(f"B={batch_size} warm-up {key.label}")
+                methods[key] = warmed_up_method(key, args, hf, prompts, warm_ups)
+                bar.update()
+            for r in range(args.repeats):
+                order = rotated(keys, r)
+                # tick: the repeat's cells side by side, tick by tick; run: one after another
+                for together in ([order] if args.interleave == "tick" else [[key] for key in order]):
+                    bar.set_postfix_str(f"B={batch_size} run {r + 1}/{args.repeats} "
+                                        + (together[0].label if len(together) == 1 else "all cells"))
+                    timed = run_interleaved([methods[key] for key in together], prompts,
+                                            args.max_tokens, args.device)
+                    for key, run in zip(together, timed):
+                        if run.stats is not None:   # sample its forward shapes under today's load
+                            costs.measure(costs.shapes(run.stats["steps_by_shape"]))
+                        runs.setdefault(key, []).append(run)
+                        bar.update()
+            del methods
+    return runs, warm_ups
+
+
+def warmed_up_method(key: CellKey, args, hf: HFModels, prompts: list[Prompt], warm_ups: list):
+    """One cell's method, built (its compiled warm-up appended to warm_ups) and run once
+    untimed over the whole workload: what a method learns or caches (adaptive k's step costs
+    and hazards, allocator pools) reaches its steady state, as in a server that has been up a
+    while (a short warm-up left adaptive k exploring in the timed runs)."""
+    method = make_method(key, args, hf, len(prompts))
+    warm = getattr(method, "warm_up", None)
+    if warm is not None:
+        warm_ups.append({"label": key.label, "batch_size": key.batch_size, "graphs": warm.graphs,
+                         "graph_breaks": warm.graph_breaks, "seconds": warm.seconds})
+    method.run(prompts, args.max_tokens)
+    return method
+
+
+def path_costs(args, prompts: list[Prompt], warm_ups: list) -> dict | None:
+    """With the compiled path: per-forward costs, on one compiled engine's runner."""
+    if "compiled" not in args.paths:
+        return None
+    key = CellKey("exspec" if args.draft else "autoregressive", 8, args.k, False, None, "compiled")
+    method = EngineMethod(key, args, len(prompts))
+    return {"forward_ms": forward_costs(method.engine, [1, 8], args.k), "warm_up": warm_ups}
+
+
+def equivalence_cells(runs: dict, reference: Reference, costs: CostModel,
+                      progress: bool) -> tuple[list[dict], list]:
+    """Each cell's summary (speedups added) and the divergent rows of the exact cells."""
+    cells, divergences = [], []
+    for key, key_runs in tqdm(runs.items(), desc="equivalence", disable=not progress):
+        cell, div = summarize(key, key_runs, reference, costs)
+        cells.append(cell)
+        if key.coupling != "rejection":   # equal in distribution only: every row may differ
+            divergences += div
+    add_speedups(cells)
+    return cells, divergences
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,69 @@
+"""What the exspec model reads at load: the engine arguments from model.json, and the
+config.pbtxt parameters the adapter itself takes. A problem is an error that fails the load."""
+from __future__ import annotations
+
+import json
+import os
+
+from exspec import EngineConfig
+from exspec.config import resolve_model_paths
+
+MODEL_JSON = "model.json"
+DEFAULT_DRAIN_TIMEOUT_S = 20.0   # config.pbtxt parameter drain_timeout_s; below the default exit timeout (30 s)
+
+
+def engine_config(args) -> EngineConfig:
+    """model.json beside the version folder, paths resolved, device from the instance kind."""
+    folder = os.path.join(args["model_repository"], args["model_version"])
+    path = os.path.join(folder, MODEL_JSON)
+    values = resolve_model_paths(_read_model_json(path), folder)
+    kind = args.get("model_instance_kind", "CPU")
+    if kind in ("GPU", "CPU"):
+        values["device"] = _device(path, kind, values.get("device"), args)
+    return EngineConfig.from_dict(values)   # unknown keys: ValueError naming them
+
+
+def _read_model_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: the exspec backend reads its engine "
+                                "arguments (EngineConfig fields) from it")
+    with open(path) as f:
+        try:
+            values = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must hold a JSON object of EngineConfig fields")
+    return values
+
+
+def _device(path: str, kind: str, wanted, args) -> str:
+    """The instance kind decides the device; model.json's 'device', if any, must agree."""
+    if kind == "GPU":
+        device = f"cuda:{int(args.get('model_instance_device_id', 0))}"
+        if wanted and not str(wanted).startswith("cuda"):
+            raise ValueError(f"{path} asks for device {wanted!r} but the instance is KIND_GPU; "
+                             "use KIND_CPU in config.pbtxt or drop 'device'")
+        return device
+    if wanted and wanted != "cpu":
+        raise ValueError(f"{path} asks for device {wanted!r} but the instance is KIND_CPU; "
+                         "use KIND_GPU in config.pbtxt or drop 'device'")
+    return "cpu"
+
+
+def parameter(model_config: dict, name: str) -> str:
+    """A config.pbtxt parameter's string_value, stripped; "" when absent."""
+    return model_config.get("parameters", {}).get(name, {}).get("string_value", "").strip()
+
+
+def drain_settings(model_config: dict) -> tuple[str | None, float]:
+    """config.pbtxt parameters drain_file (default: none) and drain_timeout_s (seconds >= 0)."""
+    raw = parameter(model_config, "drain_timeout_s")
+    try:
+        timeout = float(raw) if raw else DEFAULT_DRAIN_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"config.pbtxt parameter drain_timeout_s must be a number of seconds, "
+                         f"got {raw!r}") from None
+    if timeout < 0:
+        raise ValueError(f"config.pbtxt parameter drain_timeout_s must be >= 0, got {timeout:g}")
+    return parameter(model_config, "drain_file") or None, timeout

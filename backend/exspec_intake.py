@@ -1,0 +1,95 @@
+"""Request intake, on Triton's thread: each request parsed, registered with the send thread and
+handed to the engine; `execute` returns at once. A request refused here gets its one (error)
+response here; from registration on, the send thread answers it."""
+from __future__ import annotations
+
+import itertools
+import json
+import traceback
+
+import triton_python_backend_utils as pb_utils
+
+from exspec import EngineBusyError, InvalidRequestError
+from exspec_messages import Register, Reject
+from exspec_request import ERROR_CODE_TAG_PARAMETER, FLAG_INPUTS, ParsedRequest, parse_request
+from exspec_responses import send_error, triton_error
+from exspec_stream import Stream
+
+INPUTS = [
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    *({"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for name in FLAG_INPUTS),
+]
+
+
+class Intake:
+    def __init__(self, engine, sends, lifecycle, metrics, per_token: bool):
+        self.engine = engine
+        self.sends = sends
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+        self.per_token = per_token
+        self._ids = itertools.count()
+
+    def take(self, request):
+        sender = request.get_response_sender()
+        tag = False
+        try:
+            parameters = _request_parameters(request)
+            tag = bool(parameters.get(ERROR_CODE_TAG_PARAMETER, False))
+            parsed = self._parse(request, parameters)
+        except (InvalidRequestError, EngineBusyError) as exc:
+            self.metrics.rejected()
+            send_error(sender, triton_error(exc, tag))
+            return
+        except Exception as exc:  # a bug in parsing must still answer this request once
+            pb_utils.Logger.log_error(f"exspec: parsing failed: {traceback.format_exc()}")
+            self.metrics.rejected()
+            send_error(sender, triton_error(exc, tag))
+            return
+        request_id = f"{next(self._ids)}:{request.request_id()}"
+        stream = Stream(request_id, sender, parsed,
+                        parsed.prompt if isinstance(parsed.prompt, str) else None,
+                        tag_error_codes=tag)
+        self._submit(stream)
+
+    def _parse(self, request, parameters: dict) -> ParsedRequest:
+        """The request as the engine takes it; refused while draining or once the engine stopped."""
+        if not self.lifecycle.intake_open:
+            raise EngineBusyError("this server is draining before it shuts down; "
+                                  "retry on another server")
+        if self.lifecycle.dead:
+            raise EngineBusyError(self.lifecycle.dead)
+        parsed = parse_request(_inputs(request), parameters, self.engine.config.max_request_bytes)
+        parsed.params.text_per_token = parsed.stream and self.per_token
+        return parsed
+
+    def _submit(self, stream: Stream):
+        # Registered before the engine sees it, so its first output finds it.
+        self.sends.put(Register(stream))
+        try:
+            self.engine.add_request(stream.request_id, stream.req.prompt, stream.req.params)
+        except (InvalidRequestError, EngineBusyError) as exc:
+            self.sends.put(Reject(stream, exc))
+        except Exception as exc:
+            pb_utils.Logger.log_error(f"exspec: add_request failed: {traceback.format_exc()}")
+            self.sends.put(Reject(stream, exc))
+
+
+def _request_parameters(request) -> dict:
+    """The request's parameters; Triton hands them over as JSON text, which fails to decode
+    when a client sent bytes that are not UTF-8 (found by the fuzz test)."""
+    try:
+        return json.loads(request.parameters() or "{}")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InvalidRequestError(f"request parameters are not valid UTF-8 JSON: {exc}") from None
+
+
+def _inputs(request) -> dict:
+    out = {}
+    for spec in INPUTS:
+        tensor = pb_utils.get_input_tensor_by_name(request, spec["name"])
+        if tensor is not None:
+            out[spec["name"]] = tensor.as_numpy()
+    return out
