@@ -65,4 +65,4 @@ sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout
 # triton-grpc-protocol-exspec-admin-key); health, metadata, inference and metrics stay open.
 # Without a key the container does not start. Opting out is explicit: give the command
 # yourself (docker run ... exspec tritonserver --model-repository=/models).
-CMD ["/bin/sh", "-c", "admin=shared-memory,model-config,model-repository,statistics,trace,logging:exspec-admin-key=${EXSPEC_ADMIN_KEY:?no admin key, pass docker run -e EXSPEC_ADMIN_KEY=<key> (see the README)} && exec tritonserver --model-repository=/models --http-restricted-api=\"$admin\" --grpc-restricted-protocol=\"$admin\""]
+CMD ["/bin/sh", "-c", "admin=shared-memory,model-config,model-repository,statistics,trace,logging:exspec-admin-key=${EXSPEC_ADMIN_KEY:?no admin key, pass docker run -e EXSPEC_ADMIN_KEY=<key> (see docs/deploy.md)} && exec tritonserver --model-repository=/models --http-restricted-api=\"$admin\" --grpc-restricted-protocol=\"$admin\""]

@@ -1,4 +1,4 @@
-"""The DESIGN §3.8 Prometheus metrics, published through Triton's custom-metrics API.
+"""The Prometheus metrics (design: "Names other parts rely on"), published through Triton's custom-metrics API.
 
 Updated only on the adapter's send thread, off the engine's tick: request events come from the
 outputs the send thread handles, engine counters from the stats snapshot the engine thread

@@ -200,7 +200,7 @@ def markdown(results: dict, divergences: list[dict]) -> str:
         "× B=1 = vs the same method at batch size 1; exact / prefix = equivalence with "
         f"{reference_name(cfg)}; accepted len = committed tokens per row-step (bonus "
         "included); realign = share of step time spent forming, splitting or realigning groups; "
-        "ideal = analytic ideal from measured forward costs (DESIGN §3.7).", "",
+        "ideal = analytic ideal from measured forward costs (docs/design.md, \"Definitions\").", "",
         table(results["cells"]), "",
         *paths_section(results.get("paths")),
         "## Speculation against autoregressive", "",

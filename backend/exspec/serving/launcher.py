@@ -336,7 +336,7 @@ def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(
         prog="exspec-serve", description=__doc__.split("\n\n")[0],
         epilog="The OpenAI API (Triton's OpenAI frontend, --backend vllm): exspec-openai "
-               "--model-repository DIR [--frontend DIR] (README \"Triton's OpenAI frontend\").")
+               "--model-repository DIR [--frontend DIR] (docs/serving.md, \"Triton's OpenAI frontend\").")
     parser.add_argument("--model-repository", required=True)
     parser.add_argument("--host", type=_host_argument, default="127.0.0.1",
                         help="IPv4 address HTTP, gRPC and metrics listen on (default 127.0.0.1: "
