@@ -1,6 +1,7 @@
 """Greedy speculative output equals target-only greedy (HF generate, batch 1), exactly, every row.
 
-k x batch size is crossed in full on one pair; architectures x drafts x methods are covered
+k x batch size is crossed in full on one pair (four cells in `make test`, each k and each batch
+size once; the rest in `make test-slow`); architectures x drafts x methods are covered
 pairwise (each combination once, with k and batch size rotating). Prompts span many lengths,
 EOS stops some rows mid-run, max_tokens ranges from 1 up, and on GPT-2 one prompt ends within k
 tokens of the model's maximum length.
@@ -32,7 +33,13 @@ def _run(pairs, reference, arch, draft, method, k, batch, max_len=256, long_prom
     return outs, engine.stats()
 
 
-@pytest.mark.parametrize("k,batch", list(itertools.product([1, 3, 5, 8], [1, 3, 8, 16])))
+# make test runs four cells that take each k and each batch size once; make test-slow the rest
+IN_CI = {(1, 1), (3, 8), (5, 16), (8, 3)}
+K_BY_BATCH = [pytest.param(k, b, marks=() if (k, b) in IN_CI else pytest.mark.slow)
+              for k, b in itertools.product([1, 3, 5, 8], [1, 3, 8, 16])]
+
+
+@pytest.mark.parametrize("k,batch", K_BY_BATCH)
 def test_every_k_and_batch_size_matches_target_greedy(pairs, reference, k, batch):
     outs, stats = _run(pairs, reference, "gpt2", "noisy", "eqspec", k, batch,
                        max_len=GPT2_MAX_POS, long_prompt=True)

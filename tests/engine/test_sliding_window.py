@@ -85,8 +85,10 @@ def test_sliding_window_is_exact_while_it_slides(model_type, method):
     assert_exact_while_it_slides(model_type, method, *run(engine_for(model_type, method)))
 
 
-@pytest.mark.parametrize("model_type, method", [("gemma3_text", "exspec"), ("gemma2", "exspec"),
-                                                ("mistral", "exspec"), ("gemma2", "eqspec")])
+@pytest.mark.parametrize("model_type, method", [
+    ("gemma3_text", "exspec"), ("gemma2", "eqspec"),     # make test: one per layout
+    pytest.param("gemma2", "exspec", marks=pytest.mark.slow),
+    pytest.param("mistral", "exspec", marks=pytest.mark.slow)])
 def test_sliding_window_on_the_compiled_path(model_type, method, monkeypatch):
     """enforce_eager false: the compiled forwards take the dict of masks by layer type like one
     mask; exact, and on EXSPEC's block store nothing recompiles or breaks the graph after the
