@@ -343,7 +343,10 @@ def test_an_existing_secret_renders_the_same_manifests_every_time():
     With the generated Secret it cannot (helm template has no cluster to look the old key up
     in): the negative control."""
     gitops = {"adminApi": {"existingSecret": "ops-triton-key"}}
-    assert render(gitops) == render(gitops)
+    docs = render(gitops)
+    assert docs == render(gitops)
+    # Triton reads the key from its argv only: it must stay inside the container's PID namespace
+    assert not pod_spec(docs).get("shareProcessNamespace"), "other containers would see the key"
     generated = [one(render({}), "Secret")["data"] for _ in range(2)]
     assert generated[0] != generated[1], "the generated key is expected to change per render"
 
