@@ -126,6 +126,15 @@ def post(frontend: Frontend, path: str, body: dict | bytes, timeout_s: float = 3
     return conn, conn.getresponse()
 
 
+def is_error_event(payload: str) -> bool:
+    """An SSE error event (OpenAI's {"error": {...}}): judged on the parsed event, since the
+    generated text may contain the word itself."""
+    try:
+        return "error" in json.loads(payload)
+    except ValueError:
+        return False
+
+
 def sse(response):
     """The data payloads of a server-sent event stream, as they arrive."""
     for line in response:
@@ -187,7 +196,7 @@ class Client(threading.Thread):
             payloads = list(sse(response))
         finally:
             conn.close()
-        if not payloads or payloads[-1] != "[DONE]" or any('"error"' in p for p in payloads):
+        if not payloads or payloads[-1] != "[DONE]" or any(map(is_error_event, payloads)):
             return self.problem("whole", f"stream ended {payloads[-2:]}")
         self.completion_tokens += json.loads(payloads[-2])["usage"]["completion_tokens"]
         self.tally["whole:served"] += 1
@@ -205,7 +214,7 @@ class Client(threading.Thread):
             events = sse(response)
             for _ in range(2 if chat else 1):
                 payload = next(events)
-                if payload == "[DONE]" or '"error"' in payload:
+                if payload == "[DONE]" or is_error_event(payload):
                     return self.problem("disconnect", f"ended early: {payload[:200]}")
             conn.sock.shutdown(2)       # the client goes away mid-stream
         finally:
@@ -230,7 +239,7 @@ class Client(threading.Thread):
         finally:
             conn.close()
         # the error event, then [DONE]; before them at most chat's role chunk, no text
-        if 2 <= len(payloads) <= 3 and payloads[-1] == "[DONE]" and '"error"' in payloads[-2]:
+        if 2 <= len(payloads) <= 3 and payloads[-1] == "[DONE]" and is_error_event(payloads[-2]):
             self.tally["bad:refused"] += 1
         else:
             self.problem("bad", f"{kind}: stream {payloads[-2:]}")
