@@ -5,10 +5,12 @@
 #   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 \
 #       -e EXSPEC_ADMIN_KEY -v ~/.cache/huggingface:/root/.cache/huggingface exspec
 #
-# Triton's OpenAI-compatible frontend instead, on port 9000 (KServe HTTP/gRPC kept beside it by
-# the frontend's --enable-kserve-frontends; leave that out for OpenAI only):
-#   docker run --gpus all --shm-size=1g -p 9000:9000 -p 8000:8000 -p 8001:8001 exspec \
-#       exspec-openai --model-repository /models -- --enable-kserve-frontends
+# Triton's OpenAI-compatible frontend instead, on port 9000 (--host 0.0.0.0: exspec-openai
+# listens on loopback unless told, and a published port needs more). The HEALTHCHECK polls
+# 8000, which only the frontend's KServe ports open; those cannot be restricted, so
+# exspec-openai opens them beyond loopback only with --unrestricted-kserve:
+#   docker run --gpus all --shm-size=1g --no-healthcheck -p 9000:9000 exspec \
+#       exspec-openai --model-repository /models --host 0.0.0.0
 #
 # Base: the newest Triton release whose notes we found (26.09, CUDA 13.4). Its images are
 # Ubuntu 24.04 with Python 3.12, and its Python backend stub is built for that Python, so torch

@@ -107,15 +107,18 @@ def scrape(metrics_url: str) -> dict:
     return out
 
 
+def triton_ready_urls(http_url: str, model: str) -> list[str]:
+    return [f"{http_url}/v2/health/ready", f"{http_url}/v2/models/{model}/ready"]
+
+
 class ReadinessPoller(threading.Thread):
-    """GET /v2/health/ready and /v2/models/<model>/ready once a second; counts failures. Also
-    samples resident memory every MEMORY_EVERY_S: (seconds since start, {server_mib, stub_mib})."""
+    """GETs `urls` (readiness) once a second; counts failures. Also calls sample_memory every
+    memory_every_s: (seconds since start, {server_mib, stub_mib, ...})."""
 
-    MEMORY_EVERY_S = 5
-
-    def __init__(self, http_url: str, model: str, sample_memory):
+    def __init__(self, urls: list[str], sample_memory, memory_every_s: int = 5):
         super().__init__(daemon=True)
-        self.urls = [f"{http_url}/v2/health/ready", f"{http_url}/v2/models/{model}/ready"]
+        self.urls = urls
+        self.memory_every_s = memory_every_s
         self.polls = self.failures = 0
         self.first_failure: str | None = None
         self.stopping = threading.Event()
@@ -125,7 +128,7 @@ class ReadinessPoller(threading.Thread):
 
     def run(self):
         while not self.stopping.wait(1.0):
-            if self.polls % self.MEMORY_EVERY_S == 0:
+            if self.polls % self.memory_every_s == 0:
                 self.memory.append((round(time.monotonic() - self.started, 1), self.sample_memory()))
             self.polls += 1
             for url in self.urls:
@@ -222,7 +225,8 @@ def run(args) -> dict:
     with server:
         before = scrape(server.urls["metrics"])
         report["memory_start"] = memory(server, args.model)
-        poller = ReadinessPoller(server.urls["http"], args.model, lambda: memory(server, args.model))
+        poller = ReadinessPoller(triton_ready_urls(server.urls["http"], args.model),
+                                 lambda: memory(server, args.model))
         poller.start()
         cmd = locust_command(args, server)
         print("$ " + " ".join(cmd), flush=True)
@@ -298,11 +302,19 @@ def plot_memory(r: dict, path: str) -> str | None:
     return path
 
 
+def rss_checks(under_load: dict, processes: dict[str, str]) -> list[tuple[str, bool, str]]:
+    """Per process (sample key -> name): the median RSS of the last window under load against
+    the window after warm-up, growth under MAX_RSS_GROWTH."""
+    out = []
+    for key, name in processes.items():
+        warm, end = under_load["after_warmup"][key], under_load["last"][key]
+        growth = (end - warm) / warm if warm and end else 0.0
+        out.append((f"{name} RSS growth under load, last window vs after warm-up < "
+                    f"{MAX_RSS_GROWTH:.0%}", growth < MAX_RSS_GROWTH, f"{growth:+.1%}"))
+    return out
+
+
 def checks(r: dict) -> list[tuple[str, bool, str]]:
-    def growth(key):
-        warm = r["memory_under_load"]["after_warmup"][key]
-        end = r["memory_under_load"]["last"][key]
-        return (end - warm) / warm if warm and end else 0.0
     return [
         ("every request got its final response (lost = 0)", r["lost"] == 0, f"lost {r['lost']}"),
         ("requests were served", r["completed"] > 0, f"completed {r['completed']}"),
@@ -314,10 +326,7 @@ def checks(r: dict) -> list[tuple[str, bool, str]]:
          f"{r['ready_failures']} of {r['ready_polls']} failed; first: {r['ready_first_failure']}"),
         ("running and waiting back to 0", r["running_end"] == 0 and r["waiting_end"] == 0,
          f"running {r['running_end']}, waiting {r['waiting_end']}"),
-        (f"server RSS growth under load, last window vs after warm-up < {MAX_RSS_GROWTH:.0%}",
-         growth("server_mib") < MAX_RSS_GROWTH, f"{growth('server_mib'):+.1%}"),
-        (f"stub RSS growth under load, last window vs after warm-up < {MAX_RSS_GROWTH:.0%}",
-         growth("stub_mib") < MAX_RSS_GROWTH, f"{growth('stub_mib'):+.1%}"),
+        *rss_checks(r["memory_under_load"], {"server_mib": "server", "stub_mib": "stub"}),
         ("no stub process left after shutdown", not r["stubs_left"], f"{r['stubs_left']}"),
     ]
 
@@ -355,12 +364,17 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def save_report(report: dict, results: list[tuple[str, bool, str]], out: str) -> None:
+    """The report with its checks, as <out>_soak.json."""
+    report["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in results]
+    Path(f"{out}_soak.json").write_text(json.dumps(report, indent=1))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     report = run(args)
     results = checks(report)
-    report["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in results]
-    Path(f"{args.out}_soak.json").write_text(json.dumps(report, indent=1))
+    save_report(report, results, args.out)
     print(table(report))
     png = plot_memory(report, f"{args.out}_memory.png")
     for check, ok, detail in results:
@@ -499,5 +513,5 @@ def _define_users():
 
 if __name__ == "__main__":
     sys.exit(main())
-else:   # imported by locust
+elif "locust" in sys.modules:   # imported by locust as its locustfile (not by soak_openai.py)
     globals().update(_define_users())

@@ -25,26 +25,67 @@ def test_chat_tokenizer_is_the_one_model_json_names_resolved_like_the_engine(tmp
     assert openai_frontend.model_tokenizer(tmp_path, "absent") is None
 
 
-def test_frontend_command_serves_exspec_as_a_vllm_model(tmp_path):
-    (tmp_path / "openai_frontend").mkdir()
+def _frontend(tmp_path) -> str:
+    (tmp_path / "openai_frontend").mkdir(exist_ok=True)
     (tmp_path / "openai_frontend" / "main.py").write_text("")
+    return str(tmp_path / "openai_frontend")
+
+
+def _command(tmp_path, *argv: str) -> list[str]:
     args, extra = openai_frontend.parse_args([
-        "--model-repository", str(REPO / "model_repository"), "--frontend",
-        str(tmp_path / "openai_frontend"), "--openai-port", "9100", "--",
-        "--enable-kserve-frontends"])
-    cmd = openai_frontend.frontend_command(args, extra, tmp_path / "backends")
-    assert cmd[1:3] == ["-c", openai_frontend.BOOTSTRAP]
-    assert cmd[3:5] == [str(tmp_path / "openai_frontend"), str(tmp_path / "backends")]
+        "--model-repository", str(REPO / "model_repository"), "--frontend", _frontend(tmp_path),
+        *argv])
+    backends = openai_frontend.Backends(tmp_path / "backends", tmp_path)
+    return openai_frontend.frontend_command(args, extra, backends)
+
+
+def _flags(cmd: list[str]) -> dict[str, str]:
     flags = cmd[5:]
-    pairs = dict(zip(flags[::2], flags[1::2]))
+    return dict(zip(flags[::2], flags[1::2]))
+
+
+def test_frontend_command_serves_exspec_as_a_vllm_model(tmp_path):
+    cmd = _command(tmp_path, "--openai-port", "9100", "--", "--default-max-tokens", "32")
+    assert cmd[1] == str(openai_frontend.BOOTSTRAP) and Path(cmd[1]).is_file()
+    assert cmd[2:5] == [str(tmp_path / "openai_frontend"), str(tmp_path / "backends"),
+                        str(tmp_path)], "frontend, backend folder, folder removed at exit"
+    pairs = _flags(cmd)
     assert pairs["--backend"] == "vllm", "exspec speaks the vLLM backend's tensors"
     assert pairs["--openai-port"] == "9100"
     assert pairs["--tokenizer"].endswith("model_repository/exspec/1/demo/tokenizer")
-    assert flags[-1] == "--enable-kserve-frontends", "arguments after -- go to the frontend"
+    assert cmd[-2:] == ["--default-max-tokens", "32"], "arguments after -- go to the frontend"
+
+
+def test_the_frontend_listens_on_loopback_unless_told(tmp_path):
+    assert _flags(_command(tmp_path))["--host"] == "127.0.0.1"
+    assert _flags(_command(tmp_path, "--host", "0.0.0.0"))["--host"] == "0.0.0.0"
+    with pytest.raises(SystemExit):
+        openai_frontend.parse_args(["--model-repository", "m", "--host", "localhost:9"])
+
+
+def test_open_kserve_ports_beyond_loopback_need_an_explicit_flag(tmp_path):
+    """The frontend's KServe ports cannot be restricted (tritonfrontend takes no restriction
+    flags), so opening them on a network is refused unless the operator says so."""
+    assert _command(tmp_path, "--", "--enable-kserve-frontends")[-1] == "--enable-kserve-frontends"
+    with pytest.raises(ValueError, match="--unrestricted-kserve"):
+        _command(tmp_path, "--host", "0.0.0.0", "--", "--enable-kserve-frontends")
+    cmd = _command(tmp_path, "--host", "0.0.0.0", "--unrestricted-kserve", "--",
+                   "--enable-kserve-frontends")
+    assert cmd[-1] == "--enable-kserve-frontends"
+
+
+def test_a_refused_start_leaves_no_folder_behind(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(openai_frontend.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    rc = openai_frontend.main(["--model-repository", str(REPO / "model_repository"),
+                               "--frontend", _frontend(tmp_path), "--host", "0.0.0.0", "--",
+                               "--enable-kserve-frontends"])
+    assert rc == 1 and "--unrestricted-kserve" in capsys.readouterr().err
+    assert not list((tmp_path / "tmp").iterdir())
 
 
 def test_a_missing_frontend_is_named_with_the_flag_that_fixes_it(tmp_path):
     args, extra = openai_frontend.parse_args([
         "--model-repository", str(REPO / "model_repository"), "--frontend", str(tmp_path)])
     with pytest.raises(FileNotFoundError, match="--frontend"):
-        openai_frontend.frontend_command(args, extra, tmp_path / "backends")
+        openai_frontend.frontend_command(args, extra, openai_frontend.Backends(tmp_path, None))

@@ -338,6 +338,19 @@ def test_an_existing_secret_replaces_the_generated_one():
     assert not [d for d in docs if d["kind"] == "Secret"], "a second key was generated"
 
 
+def test_an_existing_secret_renders_the_same_manifests_every_time():
+    """GitOps: `helm template` run twice must agree, so a synced cluster never sees a new key.
+    With the generated Secret it cannot (helm template has no cluster to look the old key up
+    in): the negative control."""
+    gitops = {"adminApi": {"existingSecret": "ops-triton-key"}}
+    docs = render(gitops)
+    assert docs == render(gitops)
+    # Triton reads the key from its argv only: it must stay inside the container's PID namespace
+    assert not pod_spec(docs).get("shareProcessNamespace"), "other containers would see the key"
+    generated = [one(render({}), "Secret")["data"] for _ in range(2)]
+    assert generated[0] != generated[1], "the generated key is expected to change per render"
+
+
 def test_opting_out_renders_no_restriction_and_no_secret():
     docs = render({"adminApi": {"restricted": False}})
     c = container(docs)
@@ -363,6 +376,9 @@ def test_openai_frontend_option_runs_the_entry_point_on_its_port(case):
     assert c["command"] == ["exspec-openai"]
     args, frontend_args = parse_args(c["args"])
     assert (args.model_repository, args.openai_port) == ("/models", 9100)
+    assert args.host == "0.0.0.0", "exspec-openai listens on loopback unless told: no Service"
+    # open KServe ports are the operator's explicit choice (exspec-openai refuses them else)
+    assert args.unrestricted_kserve == OPENAI_CASES[case]["kserve"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     if OPENAI_CASES[case]["kserve"]:
         assert ports == {"openai": 9100, "http": 8000, "grpc": 8001}

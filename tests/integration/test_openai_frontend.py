@@ -8,8 +8,9 @@ set, 16 unless asked), sends `exclude_input_in_output = not echo` (true when ech
 asks for num_input_tokens / num_output_tokens on every request, and return_logprobs. It reads
 usage from those two outputs (summing num_output_tokens over streamed chunks), text from
 text_output, and the echo tensor's name from the model config. The frontend itself is not run in
-CI (its in-process bindings are built from Triton's sources, see docs/serving.md, "Triton's OpenAI
-frontend"); these tests pin what it needs from us.
+CI (its in-process bindings are built from Triton's sources, see docs/serving.md, "Triton's
+OpenAI frontend"); these tests pin what it needs from us, and test_openai_live.py runs it where it is
+available.
 """
 from __future__ import annotations
 
@@ -127,8 +128,8 @@ def test_echo_prepends_the_prompt(server, greedy):
 
 def test_streamed_echo_is_refused_in_one_final_response(server):
     """echo with stream (exclude_input_in_output=false while streaming) is refused, as the vLLM
-    backend refuses it, in one final error response that says why; the frontend then ends the
-    HTTP stream (the openai client reports a connection error, docs/serving.md)."""
+    backend refuses it, in one final error response that says why; through exspec-openai the
+    stream then ends with an SSE error event (test_openai_live.py)."""
     call = grpc_one(server.urls["grpc"], MODEL, **frontend_request(
         PROMPT, echo=True, stream=True, temperature=0, max_tokens=12))
     [response] = call.responses

@@ -315,7 +315,7 @@ def listen_address(host: str) -> str:
                          "default), 0.0.0.0 (every interface) or one of this machine's") from None
 
 
-def _host_argument(value: str) -> str:
+def host_argument(value: str) -> str:
     try:
         return listen_address(value)
     except ValueError as exc:
@@ -338,7 +338,7 @@ def parse_args(argv: list[str] | None):
         epilog="The OpenAI API (Triton's OpenAI frontend, --backend vllm): exspec-openai "
                "--model-repository DIR [--frontend DIR] (docs/serving.md, \"Triton's OpenAI frontend\").")
     parser.add_argument("--model-repository", required=True)
-    parser.add_argument("--host", type=_host_argument, default="127.0.0.1",
+    parser.add_argument("--host", type=host_argument, default="127.0.0.1",
                         help="IPv4 address HTTP, gRPC and metrics listen on (default 127.0.0.1: "
                              "this machine only; 0.0.0.0: every interface)")
     parser.add_argument("--http-port", type=int, default=8000)

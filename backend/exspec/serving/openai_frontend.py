@@ -13,40 +13,40 @@ module only prepares its run and then replaces itself with it (exec):
 - the stub's environment (stub_environment): the Python that runs the models is this one;
 - the tokenizer for chat templates: the one the model's model.json names, unless given.
 
-The frontend has no --backend-directory flag (its in-process server defaults to
-/opt/tritonserver/backends), so a three-line bootstrap hands our folder to tritonserver.Server
-before the frontend's main.py runs. Outside an image the frontend's Python needs its
-requirements and Triton's in-process bindings (docs/serving.md, "Triton's OpenAI frontend").
+The frontend runs through openai_bootstrap.py (in the frontend's Python): it hands our backend
+folder to tritonserver.Server, cancels a request whose client went away, maps backend errors to
+400 / 503 and ends a failed stream with an SSE error event, and removes the temporary folder at
+exit. Loopback only unless --host says otherwise, as exspec-serve. Outside an image the
+frontend's Python needs its requirements and Triton's in-process bindings (docs/serving.md,
+"Triton's OpenAI frontend").
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from ..config import resolve_model_paths
 from .install import BACKEND_NAME, find_tritonserver, install
-from .launcher import split_passthrough, stub_environment
+from .launcher import host_argument, split_passthrough, stub_environment
 
 DEFAULT_FRONTEND = "/opt/tritonserver/python/openai/openai_frontend"
 
-# Runs in the frontend's Python: every tritonserver.Server the frontend creates gets our backend
-# folder unless told otherwise, then the frontend's own main.py runs as a script.
-BOOTSTRAP = """\
-import runpy, sys, tritonserver
-frontend, backends = sys.argv[1], sys.argv[2]
-class Server(tritonserver.Server):
-    def __init__(self, options=None, **kwargs):
-        kwargs.setdefault("backend_directory", backends)
-        super().__init__(options, **kwargs)
-tritonserver.Server = Server
-sys.path.insert(0, frontend)
-sys.argv = [frontend + "/main.py"] + sys.argv[3:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+BOOTSTRAP = Path(__file__).with_name("openai_bootstrap.py")
+# The frontend's KServe ports take no restriction flags (tritonfrontend r26.06 builds them with
+# an empty RestrictedFeatures), so their admin APIs are open: only on loopback unless asked.
+KSERVE_FLAG = "--enable-kserve-frontends"
+LOOPBACK = "127.0.0.1"
+
+
+class Backends(NamedTuple):
+    folder: Path
+    temporary: Path | None      # exspec-openai's own folder, removed when the frontend exits
 
 
 def model_tokenizer(model_repository: Path, model: str) -> str | None:
@@ -59,12 +59,23 @@ def model_tokenizer(model_repository: Path, model: str) -> str | None:
     return config.get("tokenizer") or config.get("target_model") or None
 
 
-def frontend_command(args, extra: list[str], backends: Path) -> list[str]:
+def check_arguments(args, extra: list[str]) -> None:
+    """What would make the frontend fail, or open more than asked, before anything is laid out."""
     main = Path(args.frontend) / "main.py"
     if not main.is_file():
         raise FileNotFoundError(f"{main} not found: pass --frontend (or $TRITON_OPENAI_FRONTEND)"
                                 " pointing at the server repository's python/openai/openai_frontend")
-    cmd = [args.python, "-c", BOOTSTRAP, str(Path(args.frontend).resolve()), str(backends),
+    if KSERVE_FLAG in extra and args.host != LOOPBACK and not args.unrestricted_kserve:
+        raise ValueError(f"{KSERVE_FLAG} on {args.host} opens Triton's administrative APIs "
+                         "(model load/unload, ...) with no key: the frontend cannot restrict its "
+                         "KServe ports. Pass --unrestricted-kserve to accept that, or keep "
+                         f"--host {LOOPBACK}")
+
+
+def frontend_command(args, extra: list[str], backends: Backends) -> list[str]:
+    check_arguments(args, extra)
+    cmd = [args.python, str(BOOTSTRAP), str(Path(args.frontend).resolve()), str(backends.folder),
+           str(backends.temporary or ""),
            "--model-repository", str(Path(args.model_repository).resolve()),
            "--backend", "vllm", "--openai-port", str(args.openai_port), "--host", args.host]
     tokenizer = args.tokenizer or model_tokenizer(Path(args.model_repository), args.model)
@@ -73,15 +84,21 @@ def frontend_command(args, extra: list[str], backends: Path) -> list[str]:
     return cmd + extra
 
 
-def backend_folder(work_dir: str | None, backend_source: str | None) -> Path:
+def backend_folder(work_dir: str | None, backend_source: str | None) -> Backends:
     """The distribution's backends when exspec is installed there (the image), else a fresh
-    layout in work_dir (a temporary folder that lives as long as the frontend)."""
+    layout in work_dir, or in a temporary folder that the frontend removes when it exits."""
     dist = find_tritonserver()
     if (dist.backends / BACKEND_NAME / "model.py").is_file() and not backend_source:
-        return dist.backends
-    work = Path(work_dir or tempfile.mkdtemp(prefix="exspec-openai-"))
-    return install(work / "backends", dist,
-                   **({"source": backend_source} if backend_source else {}))
+        return Backends(dist.backends, None)
+    temporary = None if work_dir else Path(tempfile.mkdtemp(prefix="exspec-openai-"))
+    try:
+        folder = install(Path(work_dir or temporary) / "backends", dist,
+                         **({"source": backend_source} if backend_source else {}))
+    except BaseException:
+        if temporary:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return Backends(folder, temporary)
 
 
 def parse_args(argv: list[str] | None):
@@ -92,7 +109,12 @@ def parse_args(argv: list[str] | None):
                                                              DEFAULT_FRONTEND),
                         help="the frontend's openai_frontend/ folder (default: %(default)s)")
     parser.add_argument("--openai-port", type=int, default=9000)
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", type=host_argument, default=LOOPBACK,
+                        help="IPv4 address the frontend (and its KServe ports) listen on "
+                             "(default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    parser.add_argument("--unrestricted-kserve", action="store_true",
+                        help=f"allow {KSERVE_FLAG} beyond loopback, with Triton's "
+                             "administrative APIs open on those ports")
     parser.add_argument("--model", default=BACKEND_NAME,
                         help="model whose model.json names the chat tokenizer (default: exspec)")
     parser.add_argument("--tokenizer", default=None,
@@ -111,13 +133,14 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     try:
+        check_arguments(args, extra)
         backends = backend_folder(args.work_dir, args.backend_source)
-        cmd = frontend_command(args, extra, backends)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         print(f"exspec-openai: {exc}", file=sys.stderr)
         return 1
+    cmd = frontend_command(args, extra, backends)
     env = stub_environment(dist=find_tritonserver())
-    print("exspec-openai: " + " ".join(cmd[:2] + ["<bootstrap>"] + cmd[3:]), flush=True)
+    print("exspec-openai: " + " ".join(cmd), flush=True)
     os.execve(cmd[0], cmd, env)
     return 127   # not reached
 

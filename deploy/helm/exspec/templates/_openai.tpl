@@ -7,7 +7,10 @@ command: ["exspec-openai"]
 args:
   - --model-repository=/models
   - --openai-port={{ .Values.openaiFrontend.port }}
+  - --host=0.0.0.0          # the pod's address: the Service reaches it there
   {{- if .Values.openaiFrontend.kserve }}
+  # the frontend's KServe ports take no restriction flags: their admin APIs are open
+  - --unrestricted-kserve
   - --
   - --enable-kserve-frontends
   - --kserve-http-port=8000
