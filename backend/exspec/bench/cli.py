@@ -184,8 +184,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend of the compiled path (eager / aot_eager: Dynamo's "
                          "graphs without generated code, for a quick check of the machinery)")
-    ap.add_argument("--pair", choices=("demo", "deep-narrow"), default="demo",
-                    help="without --target: the demo pair, or a deep, narrow random pair built here "
+    ap.add_argument("--pair", choices=("demo", "deep-narrow", "smollm2"), default="demo",
+                    help="without --target: the demo pair, smollm2 (the real pair, exspec.real_pair, "
+                         "on its chat prompts), or a deep, narrow random pair built here "
                          f"({DEEP_NARROW['target_layers']} and {DEEP_NARROW['draft_layers']} layers, "
                          f"hidden {DEEP_NARROW['hidden']}: the launch-bound regime of a GPU, on a CPU)")
     ap.add_argument("--device", default="cpu")
@@ -233,6 +234,11 @@ def resolve_pair(args) -> str:
         return "given"
     if args.pair == "deep-narrow":
         pair, name = build_deep_narrow_pair(tempfile.mkdtemp(prefix="exspec-bench-")), "deep-narrow"
+    elif args.pair == "smollm2":
+        from ..real_pair import ensure_pair
+        pair, name = ensure_pair(), "smollm2"
+        args.tokenizer = args.tokenizer or str(pair / "target")
+        args.prompts = args.prompts or pair / "prompts.jsonl"
     elif (DEMO_DIR / "target" / "config.json").exists() and (DEMO_DIR / "draft" / "config.json").exists():
         pair, name = DEMO_DIR, "demo"
     else:

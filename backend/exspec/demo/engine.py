@@ -1,7 +1,8 @@
 """`python -m exspec.demo.engine`: the engine on a model pair, speculative vs target-only, side by side.
 
-Uses the shipped demo pair (model_repository/exspec/1/demo) when present, otherwise builds a
-small seeded pair locally. Prints both outputs, whether they match token for token, the
+With --real, the real pair (SmolLM2-135M-Instruct and a draft made from it, exspec.real_pair)
+on chat questions through its own chat template. Otherwise the toy pair: the shipped demo pair
+(model_repository/exspec/1/demo) when present, else a small seeded pair built locally. Prints both outputs, whether they match token for token, the
 acceptance rate and tokens/s of each.
 """
 from __future__ import annotations
@@ -21,6 +22,11 @@ FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in r
 
 
 def _pair_dir(args) -> tuple[Path, list[str]]:
+    if args.real:
+        from ..real_pair import ensure_pair
+        pair = ensure_pair()
+        rows = [json.loads(line) for line in (pair / "prompts.jsonl").read_text().splitlines()]
+        return pair, [r["turns"][0] for r in rows]
     if args.pair:
         return Path(args.pair), FALLBACK_PROMPTS
     if (DEMO_DIR / "target" / "config.json").exists():
@@ -36,9 +42,14 @@ def _pair_dir(args) -> tuple[Path, list[str]]:
     return build_demo_pair(out), FALLBACK_PROMPTS
 
 
+def _tokenizer_dir(pair: Path) -> Path:
+    """The toy pairs keep the tokenizer apart; the real pair's is in target/."""
+    return pair / "tokenizer" if (pair / "tokenizer").exists() else pair / "target"
+
+
 def _run(pair: Path, method: str, prompts, params, k: int, batch: int):
     engine = LLMEngine(EngineConfig(target_model=str(pair / "target"), draft_model=str(pair / "draft"),
-                                    tokenizer=str(pair / "tokenizer"), method=method,
+                                    tokenizer=str(_tokenizer_dir(pair)), method=method,
                                     num_speculative_tokens=k, max_batch_size=batch))
     engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
     start = time.perf_counter()
@@ -55,6 +66,8 @@ def _run(pair: Path, method: str, prompts, params, k: int, batch: int):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", help="folder with tokenizer/, target/, draft/")
+    parser.add_argument("--real", action="store_true",
+                        help="the real pair (SmolLM2-135M-Instruct) on chat questions")
     parser.add_argument("--method", default="exspec", choices=["exspec", "eqspec"])
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -71,7 +84,7 @@ def main(argv=None) -> int:
     same = 0
     for i, (s, b) in enumerate(zip(spec, base)):
         same += s.token_ids == b.token_ids
-        print(f"\n=== prompt {i}: {prompts[i][:60]!r}")
+        print(f"\n=== prompt {i}: {prompts[i][-80:]!r}")
         print(f"--- {args.method} (k={args.k}) ---\n{s.text}")
         print(f"--- target only ---\n{b.text}")
         print(f"[identical token ids: {s.token_ids == b.token_ids}]")

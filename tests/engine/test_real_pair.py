@@ -1,0 +1,89 @@
+"""The real pair (SmolLM2-135M-Instruct and a draft made from it, exspec.real_pair) on chat
+prompts through the model's own ChatML template: speculative output == target-only output, greedy
+(Hugging Face generate) and seeded (the autoregressive path and the re-encoding reference), and
+the end of turn `<|im_end|>` stops a request. `make test` converts the pair first.
+"""
+from functools import lru_cache
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from exspec import EngineConfig, LLMEngine, SamplingParams
+from exspec.models import load_pair
+from exspec.real_pair import IM_END, QUESTIONS, chat_prompt, ensure_pair
+
+from enginekit import assert_equivalent, assert_seeded_equivalent
+
+# a coding question, "What is the capital of France?" (answered in a few tokens), writing, a definition
+ASKED = [QUESTIONS[i][1] for i in (0, 4, 10, 13)]
+MAX_TOKENS = 24
+MAX_LEN = 8192
+
+
+@pytest.fixture(scope="module")
+def real_pair():
+    pair = ensure_pair()
+    tokenizer = AutoTokenizer.from_pretrained(pair / "target")
+    prompts = [tokenizer.encode(chat_prompt(tokenizer, q), add_special_tokens=False) for q in ASKED]
+    return pair, tokenizer, prompts
+
+
+def _config(pair, method, batch, k=4) -> EngineConfig:
+    return EngineConfig(target_model=str(pair / "target"), draft_model=str(pair / "draft"),
+                        method=method, num_speculative_tokens=k, max_batch_size=batch,
+                        adaptive_k=False)
+
+
+@lru_cache(maxsize=1)
+def _loaded(pair):
+    return load_pair(_config(pair, "exspec", 1))
+
+
+def engine(pair, method, batch, k=4):
+    """Every engine of this file shares one loaded pair (650 MB read once, not per test)."""
+    return LLMEngine(_config(pair, method, batch, k), _loaded(pair))
+
+
+def test_chat_template_is_chatml(real_pair):
+    _, tokenizer, prompts = real_pair
+    text = tokenizer.decode(prompts[0])
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n"), text
+    assert tokenizer.convert_ids_to_tokens(IM_END) == "<|im_end|>"
+
+
+@pytest.mark.parametrize("method,batch", [("exspec", 1), ("exspec", 4), ("eqspec", 4)])
+def test_greedy_equals_target_only(real_pair, reference, method, batch):
+    pair, _, prompts = real_pair
+    eng = engine(pair, method, batch)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert_equivalent(outs, prompts, [MAX_TOKENS] * len(prompts), reference, str(pair / "target"),
+                      MAX_LEN, label=f"{method}/B={batch}")
+    stats = eng.stats()
+    assert 0 < stats["accepted_tokens"] < stats["draft_tokens"], "drafts must be both kept and rejected"
+
+
+def test_seeded_sampling_equals_target_only(real_pair, seeded_reference):
+    pair, _, prompts = real_pair
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=40 + i)
+              for i in range(len(prompts))]
+    spec = engine(pair, "exspec", 4).generate(prompts, params)
+    plain = engine(pair, "autoregressive", 4).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    rows = [(f"row {i}", p, sp, o.token_ids, True)
+            for i, (o, p, sp) in enumerate(zip(spec[:1], prompts, params))]
+    assert assert_seeded_equivalent(rows, seeded_reference, str(pair / "target"), MAX_LEN) == 0
+
+
+def test_stops_at_im_end(real_pair):
+    """"What is the capital of France?" is answered in a few tokens: the request ends with
+    `<|im_end|>` (finish reason stop) well before max_tokens."""
+    pair, tokenizer, prompts = real_pair
+    out = engine(pair, "exspec", 1).generate([prompts[1]], SamplingParams(max_tokens=64))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == IM_END, out
+    assert len(out.token_ids) < 64
+    assert "Paris" in tokenizer.decode(out.token_ids)
+    # negative control: the target keeps going when EOS is ignored
+    longer = engine(pair, "exspec", 1).generate(
+        [prompts[1]], SamplingParams(max_tokens=len(out.token_ids) + 4, ignore_eos=True))[0]
+    assert len(longer.token_ids) == len(out.token_ids) + 4
