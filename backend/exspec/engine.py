@@ -75,7 +75,7 @@ class LLMEngine:
         self.config = config
         self.threads = apply_threads(choose_threads(config.torch_threads))   # before any kernel
         pair = pair or load_pair(config)
-        check_servable(pair.target, "target", config.method)
+        check_servable(pair.target, "target", config.method, pair.max_model_len)
         if pair.draft is not None:
             check_servable(pair.draft, "draft", config.method)
             check_vocabularies(pair.target, pair.draft, pair.tokenizer)
