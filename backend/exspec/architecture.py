@@ -41,12 +41,16 @@ class Refused(Exception):
     """Internal: the reason one model cannot be served."""
 
 
-def check_servable(model, role: str, method: str) -> None:
-    """Raise ModelLoadError naming the architecture and the reason, or return."""
+def check_servable(model, role: str, method: str, max_model_len: int | None = None) -> None:
+    """Raise ModelLoadError naming the architecture and the reason, or return. `max_model_len`:
+    the longest row the engine serves (the target's RoPE is checked against it)."""
     if method == "autoregressive" and role == "draft":
         return
     try:
         _check(model)
+        if role == "target" and max_model_len is not None:
+            # a draft's batch-dependent tokens cost acceptance, never exactness: the target decides
+            _check_rope(model.config.get_text_config(decoder=True), max_model_len)
     except Refused as why:
         cfg = model.config
         raise ModelLoadError(f"the {role} model {type(model).__name__} (model_type "
@@ -105,6 +109,30 @@ def _check(model) -> None:
     problem = _probe(model, takes_positions="position_ids" in params) or _probe_windows(model, masks)
     if problem:
         raise Refused(problem)
+
+
+def _check_rope(text, max_model_len: int) -> None:
+    """longrope and dynamic NTK choose their frequencies from the longest position in the whole
+    forward (transformers' dynamic_rope_update), so past their switch point a short row's tokens
+    change when a long row shares its forward. Below it one set of frequencies always applies."""
+    params = getattr(text, "rope_parameters", None) or {}
+    per_layer = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    for rope in per_layer:
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "longrope":
+            key = "original_max_position_embeddings"
+            switch = rope.get(key) or getattr(text, key, None)
+            what = "switches every row to its long factors"
+        elif "dynamic" in rope_type:
+            key, switch = "max_position_embeddings", getattr(text, "max_position_embeddings", None)
+            what = "rescales its base for every row"
+        else:
+            continue
+        if switch is not None and max_model_len > switch:
+            raise Refused(f"its RoPE (rope_type {rope_type!r}) {what} once the longest position "
+                          f"in a forward passes {key} ({switch}), so a short row's tokens would "
+                          f"depend on a longer row batched with it; set max_model_len to at most "
+                          f"{switch} (now {max_model_len}) to serve it exactly")
 
 
 def kv_layout(config, models):

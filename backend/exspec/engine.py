@@ -79,7 +79,7 @@ class LLMEngine:
         self.config = config
         self.threads = apply_threads(choose_threads(config.torch_threads))   # before any kernel
         pair = pair or load_pair(config)
-        check_servable(pair.target, "target", config.method)
+        check_servable(pair.target, "target", config.method, pair.max_model_len)
         if pair.draft is not None:
             check_servable(pair.draft, "draft", config.method)
             check_vocabularies(pair.target, pair.draft, pair.tokenizer)
@@ -222,14 +222,15 @@ class LLMEngine:
         """One tick, or its first half: when a step is planned and the first half (aborts,
         prefill) produced outputs, they are returned at once, so a first token is sent before
         the step runs, and the next call runs that step; otherwise the whole tick."""
-        touched: list[Touched] = []
-        if self.pool.planned is None:   # a new tick: intake, aborts, the step's plan, prefill
-            with self._lock:
-                incoming, self._incoming = list(self._incoming), deque()
-                aborts, self._aborts = self._aborts, set()
+        # intake and aborts in either half: after abort(id) returns, no step emits tokens for
+        # id (a planned step loses the aborted rows before it runs); new requests only wait
+        with self._lock:
+            incoming, self._incoming = list(self._incoming), deque()
+            aborts, self._aborts = self._aborts, set()
+        self.pool.enqueue(incoming)
+        touched: list[Touched] = self.pool.abort(aborts)
+        if self.pool.planned is None:   # a new tick: the step's plan, prefill
             self.faults.before_tick()
-            self.pool.enqueue(incoming)
-            touched = self.pool.abort(aborts)
             touched += self._guarded(self.pool.begin_tick)
             if touched and self.pool.planned is not None:
                 return self._emit(touched)   # first tokens out before the step

@@ -186,3 +186,80 @@ def test_alibi_from_a_2d_mask_runs_exspec_on_the_right_aligned_layout(model_type
     outs = served.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
     assert [o.token_ids for o in outs] == [greedy_reference(target, p, 10) for p in prompts]
     assert served.stats()["realign_steps"] > 0   # ragged groups were realigned, not refused
+
+
+# -- RoPE types: a long row beside a short one ------------------------------------------------
+# Every rope_type of the pinned transformers (ROPE_INIT_FUNCTIONS, plus "default"), each with the
+# keys it needs and its switch point (original_max_position_embeddings, or for dynamic NTK
+# max_position_embeddings) at 16: a 35-token row passes it, a 2-token row beside it does not.
+# longrope and dynamic choose their frequencies from the longest position of the whole forward
+# (transformers' dynamic_rope_update), so a short row's tokens change when a long row shares it:
+# refused at load unless max_model_len keeps every position below the switch.
+SWITCH = 16
+ROPE_PARAMETERS = {
+    "default": {},
+    "linear": {"factor": 2.0},
+    "dynamic": {"factor": 4.0},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": SWITCH},
+    "longrope": {"short_factor": [1.0] * 8, "long_factor": [1.0 + i for i in range(8)],
+                 "original_max_position_embeddings": SWITCH},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": SWITCH},
+    "proportional": {"factor": 2.0, "partial_rotary_factor": 0.5},
+}
+ROPE_REFUSED = {"longrope": "original_max_position_embeddings", "dynamic": "max_position_embeddings"}
+LONG_AND_SHORT = [list(range(1, 36)), [40, 41]]
+
+
+def rope_models(model_type: str, rope_type: str):
+    extra = {"max_position_embeddings": SWITCH} if rope_type == "dynamic" else {}
+    if model_type == "phi3":   # Phi-3 copies its top-level original_max_position_embeddings in
+        extra["original_max_position_embeddings"] = SWITCH
+    return build(model_type, rope_parameters={"rope_type": rope_type, "rope_theta": 10000.0,
+                                              **ROPE_PARAMETERS[rope_type]}, **extra)
+
+
+def test_rope_sweep_covers_every_rope_type_of_the_pinned_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    assert set(ROPE_PARAMETERS) == {"default", *ROPE_INIT_FUNCTIONS}
+
+
+@pytest.mark.parametrize("model_type, rope_type",
+                         [("llama", t) for t in ROPE_PARAMETERS] + [("phi3", "longrope")])
+def test_rope_type_is_exact_beside_a_long_row_or_refused(model_type, rope_type):
+    target, draft = rope_models(model_type, rope_type)
+    assert target.config.rope_parameters["rope_type"] == rope_type
+
+    def served(max_model_len, method):
+        return LLMEngine(EngineConfig(target_model="r", draft_model="r", method=method,
+                                      num_speculative_tokens=3, max_batch_size=4, adaptive_k=False),
+                         pair=ModelPair(tokenizer(), target, draft, set(), max_model_len))
+
+    def assert_exact_on(engine, prompts, label):
+        outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+        for i, (out, p) in enumerate(zip(outs, prompts)):
+            want = greedy_reference(target, p, MAX_TOKENS)
+            assert out.token_ids == want, f"{model_type} {rope_type} {label} row {i}: got {out.token_ids}, alone {want}"
+
+    # the hazard itself, in the model's own forward: does the short row change beside the long?
+    long, short = LONG_AND_SHORT
+    with torch.inference_mode():
+        alone = target(input_ids=torch.tensor([short])).logits[0]
+        ids = torch.tensor([long, [0] * (len(long) - len(short)) + short])
+        mask = (torch.arange(len(long)) >= len(long) - len(short)).long().expand(2, -1).clone()
+        mask[0] = 1
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        beside = target(input_ids=ids, attention_mask=mask, position_ids=pos).logits[1, -len(short):]
+    batch_dependent = float((beside - alone).abs().max()) > 1e-4
+    assert batch_dependent == (rope_type in ROPE_REFUSED), (
+        f"{rope_type}: the short row {'changes' if batch_dependent else 'does not change'} beside a long one")
+    for method in ("eqspec", "exspec"):
+        if rope_type in ROPE_REFUSED:
+            with pytest.raises(ModelLoadError) as caught:
+                served(256, method)
+            message = str(caught.value)
+            assert rope_type in message and ROPE_REFUSED[rope_type] in message, message
+            # with max_model_len at the switch, one set of frequencies always applies: exact
+            assert_exact_on(served(SWITCH, method), [[5, 9, 17], [40, 41], [3] * 9], f"{method} capped")
+        else:
+            assert_exact_on(served(256, method), LONG_AND_SHORT, method)

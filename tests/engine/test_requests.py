@@ -186,3 +186,31 @@ def test_bad_engine_configs_get_clear_errors(pairs, tmp_path):
     other.save_pretrained(tmp_path / "narrow")
     with pytest.raises(ModelLoadError, match="vocabularies differ"):
         LLMEngine(EngineConfig(**{**base, "draft_model": str(tmp_path / "narrow")}))
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_abort_between_the_halves_of_a_tick_emits_no_more_tokens(pairs, method):
+    """After abort(id) returns, the next output for id is its final one, finish_reason "abort",
+    with no tokens: also when the step that would feed it was planned before the abort (the
+    first half returned a new request's first token, the second half has not run yet)."""
+    engine = make_engine(pairs, "llama", "noisy", method=method)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    engine.add_request("old", [5, 6, 7], params)
+    engine.add_request("kept", [8, 9], params)
+    while not any(o.request_id == "old" and o.new_token_ids for o in engine.step()):
+        pass
+    assert engine.pool.planned is None
+    engine.add_request("new", [11, 12, 13, 14], params)
+    first_half = engine.step()   # plans a step for "old" and "kept", prefills "new", returns
+    assert [o.request_id for o in first_half] == ["new"] and engine.pool.planned is not None
+    engine.abort("old")
+    nxt = {o.request_id: o for o in engine.step()}
+    old = nxt.get("old")
+    assert old is not None, "the aborted request got no output from the next step"
+    assert old.finished and old.finish_reason == "abort", f"next output for old: {old}"
+    assert old.new_token_ids == [], f"tokens emitted after abort returned: {old.new_token_ids}"
+    # negative control: the planned step did run for the row that was not aborted
+    assert nxt["kept"].new_token_ids and not nxt["kept"].finished
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.request_id != "old", "output for old after its final one"
