@@ -101,7 +101,7 @@ class Metrics:
     def __init__(self, model: str, version: str, vllm_max_model_len: int | None = None):
         """vllm_max_model_len: also publish the vLLM backend's families (REPORT_CUSTOM_METRICS)."""
         family = _Families(model, version)
-        self._families = family
+        self._families = family   # never read: holds the families as long as their metrics
         C, G, H = _kinds()
         self.vllm = VllmMetrics(family, vllm_max_model_len) if vllm_max_model_len else None
         requests = family("exspec:requests_total", C, "Finished requests by outcome")

@@ -5,8 +5,6 @@ sequence knows how many of its tokens each model has cached, and stops by the ru
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from .detokenizer import Detokenizer
@@ -41,7 +39,6 @@ class Sequence:
         self.recent_rejections = 0.0
         self.logprobs: list[TokenLogprob] = []
         self.token_texts: list[str] = []     # per-token text deltas not yet emitted (text_per_token)
-        self.arrival_time = time.monotonic()
         # The request's seed (the engine draws one when it gave none): the key of its Gumbel
         # noise, or the seed of its own generator under rejection sampling.
         self.seed = seed
