@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[serve,test,docs]'
+	$(BIN)/pip install -q -e '.[serve,test,docs,real]'
 	touch $(STAMP)
 
 venv: $(STAMP)
