@@ -176,9 +176,10 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, group: Group, k: int, stop: list[float] | None = None) -> StepResult:
-        """One speculative step at k (0: plain). `stop` (draft_stop.py), per draft depth
-        1 .. k-1: a confidence below which, in every row, the round ends after that draft; with
-        it the draft's confidences are measured and returned (a host read per draft token)."""
+        """One speculative step at k (0: plain): draft, verify, accept, commit. `stop`
+        (draft_stop.py), per draft depth 1 .. k-1: a confidence below which, in every row, the
+        round ends after that draft; with it the draft's confidences are measured and returned
+        (a host read per draft token)."""
         seqs = group.seqs
         rows = group.sampling(self.device, self.transfers.to_device)
         coupled = self._coupled(rows)
@@ -186,9 +187,37 @@ class ModelRunner:
         u = None if coupled else self._uniforms(seqs, 2 * k + 1)
         if k > 0:
             self.catch_up_draft(group)
-        # The step's one host-to-device copy: the draft's first input (what its cache lacks: 1-2
-        # tokens per row), per row the pending token, its position and the row's k cap, and the
-        # block table of a cache whose rows just took new blocks (as columns).
+        draft_in, pending, start, caps = self._upload_step_inputs(group, k)
+        noise = self._noise(rows, start + 1, k + 1)   # gumbel: positions m .. m+k, draft and target alike
+
+        draft_tokens = q = bins = None
+        if k > 0:
+            with self.stats.timer("draft"):
+                draft_tokens, q, bins = self._draft(group, k, rows, u, noise, draft_in, start + 1,
+                                                    stop if coupled else None)
+            if draft_tokens.shape[1] < k:   # the round stopped at an unsure draft
+                self.stats.add("draft_stopped_steps")
+                k = draft_tokens.shape[1]
+                noise = None if noise is None else noise[:, :k + 1]
+
+        with self.stats.timer("verify"):
+            num_accepted, tokens, lp = self._verify(group, k, rows, coupled, u, noise, pending,
+                                                    start, draft_tokens, q)
+            # the step's one device-to-host copy
+            host = self.transfers.to_host(torch.cat([num_accepted[:, None], tokens]
+                                                    + ([] if bins is None else [bins]), dim=1))
+        committed, accepted = self._commit(group, k, host, lp, torch.minimum(num_accepted, caps))
+        self._count(seqs, k, accepted, committed)
+        return StepResult(committed, accepted, k,
+                          None if bins is None else [row[k + 2:] for row in host])
+
+    def _upload_step_inputs(self, group: Group, k: int):
+        """The step's one host-to-device copy: the draft's first input (what its cache lacks:
+        1-2 tokens per row), per row the pending token, its position and the row's k cap, and
+        the block table of a cache whose rows just took new blocks (as columns). Returns the
+        draft's first input (ids, positions, validity, counts) and the pending tokens, their
+        positions and the k caps, all on the device."""
+        seqs = group.seqs
         per_row = [[s.pending_token for s in seqs], [s.num_tokens - 1 for s in seqs],
                    [s.drafts_at(k) for s in seqs]]
         tables = [(kv, table) for kv in (group.target_kv, group.draft_kv if k > 0 else None)
@@ -201,43 +230,37 @@ class ModelRunner:
         for kv, table in tables:
             kv.use_table(draft_in[-1][at:at + len(table[0])].T.contiguous())
             at += len(table[0])
-        noise = self._noise(rows, start + 1, k + 1)   # gumbel: positions m .. m+k, draft and target alike
+        return draft_in[:4], pending, start, caps
 
-        if k > 0:
-            with self.stats.timer("draft"):
-                draft_tokens, q, bins = self._draft(group, k, rows, u, noise, draft_in[:4], start + 1,
-                                                    stop if coupled else None)
-            if draft_tokens.shape[1] < k:   # the round stopped at an unsure draft
-                self.stats.add("draft_stopped_steps")
-                k = draft_tokens.shape[1]
-                noise = None if noise is None else noise[:, :k + 1]
-
+    def _verify(self, group: Group, k: int, rows: RowSampling, coupled: bool, u, noise,
+                pending, start, draft_tokens, q):
+        """One target forward over [pending, d1..dk] per row; returns the accepted draft counts
+        [B], the step's tokens [B, k+1] (row b commits tokens[b, :accepted + 1]) and the
+        logprobs asked for."""
+        seqs = group.seqs
+        ids = pending[:, None] if k == 0 else torch.cat([pending[:, None], draft_tokens], dim=1)
+        pos = start[:, None] + torch.arange(k + 1, device=self.device)
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        logits = self._forward(self.target, group.target_kv, ids, pos, valid, [k + 1] * len(seqs), keep=k + 1)
+        if coupled:   # the target's token at every position; accept while the draft agrees
+            tokens = coupled_tokens(logits, rows, noise)
+            matches = draft_tokens == tokens[:, :k] if k else tokens[:, :0].bool()
+            num_accepted = matches.long().cumprod(-1).sum(-1)
+        elif k == 0:
+            num_accepted = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+            tokens = self._pick(logits[:, 0], rows, seqs, u=u[:, 0])[0].unsqueeze(1)
         else:
-            bins = None
+            p = probs_from_logits(logits, rows)
+            num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
+        return num_accepted, tokens, token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
 
-        with self.stats.timer("verify"):
-            ids = pending[:, None] if k == 0 else torch.cat([pending[:, None], draft_tokens], dim=1)
-            pos = start[:, None] + torch.arange(k + 1, device=self.device)
-            valid = torch.ones_like(ids, dtype=torch.bool)
-            logits = self._forward(self.target, group.target_kv, ids, pos, valid, [k + 1] * len(seqs), keep=k + 1)
-            if coupled:   # the target's token at every position; accept while the draft agrees
-                tokens = coupled_tokens(logits, rows, noise)
-                matches = draft_tokens == tokens[:, :k] if k else tokens[:, :0].bool()
-                num_accepted = matches.long().cumprod(-1).sum(-1)
-            elif k == 0:
-                num_accepted = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
-                tokens = self._pick(logits[:, 0], rows, seqs, u=u[:, 0])[0].unsqueeze(1)
-            else:
-                p = probs_from_logits(logits, rows)
-                num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
-            lp = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
-            # the step's one device-to-host copy
-            host = self.transfers.to_host(torch.cat([num_accepted[:, None], tokens]
-                                                    + ([] if bins is None else [bins]), dim=1))
-
+    def _commit(self, group: Group, k: int, host, lp, kept: torch.Tensor):
+        """Per row: commit the accepted drafts and the bonus token (stop rules apply, I5), then
+        cut both caches back to I3 on the host and, from the device's own counts (`kept`, the
+        accepted drafts within each row's cap), on the device: no copy back up."""
         committed, accepted = [], []
         target_cut, draft_cut = [], []
-        for row, seq in enumerate(seqs):
+        for row, seq in enumerate(group.seqs):
             a = min(host[row][0], seq.drafts_at(k))
             m = seq.num_tokens
             accepted.append(a)
@@ -248,14 +271,10 @@ class ModelRunner:
                 draft_cut.append(max(0, k - 1 - a))        # draft holds m+k-1, keeps <= m+a
                 seq.num_cached_draft = min(m + k - 1, m + a)
                 seq.observe_acceptance(a, k)
-        # the same cuts on the device, from the device's own counts (no copy back up)
-        kept = torch.minimum(num_accepted, caps)
         group.target_kv.drop_tail(target_cut, k - kept)
         if k > 0:
             group.draft_kv.drop_tail(draft_cut, (k - 1 - kept).clamp_min(0))
-        self._count(seqs, k, accepted, committed)
-        return StepResult(committed, accepted, k,
-                          None if bins is None else [row[k + 2:] for row in host])
+        return committed, accepted
 
     def _draft(self, group: Group, k: int, rows: RowSampling, u: torch.Tensor | None,
                noise: torch.Tensor | None, first_input, next_pos: torch.Tensor,
