@@ -22,10 +22,11 @@ venv: $(STAMP)
 real-pair: venv
 	$(BIN)/python -m exspec.real_pair
 
-# Each part prints its wall time, so CI shows where the minutes go.
+# Each part prints its wall time, so CI shows where the minutes go. Two xdist workers: the
+# engine tests run on one torch thread each, so the two cores both work (groups: tests/conftest.py).
 test: venv real-pair
 	@start=$$(date +%s); \
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -m "not slow" tests; rc=$$?; \
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=25 -m "not slow" tests; rc=$$?; \
 	echo "== tests took $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # What CI leaves out: the full compiled-path equivalence matrix (tests marked slow).
