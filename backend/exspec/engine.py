@@ -321,15 +321,16 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
     def release_memory(self) -> None:
-        """Hand freed memory back to the system. Caches of every size come and go, and the
-        C allocator keeps what it freed (a soak showed the serving process growing with no
-        Python-level leak: malloc_trim brings it back); on a GPU, empty the CUDA cache. No
-        gc.collect(): caches hold no reference cycles, so they are freed the moment a group
-        lets go of them, and a full collection would stall the tick for ~0.2 s."""
+        """Hand freed host memory back to the system. Caches of every size come and go, and
+        the C allocator keeps what it freed (a soak showed the serving process growing with no
+        Python-level leak: malloc_trim brings it back). The CUDA cache is left alone: the KV
+        budget already holds the GPU's memory for this process, and emptying it whenever the
+        pool went idle made the next requests pay for cudaMalloc again (only a step that ran
+        out of memory empties it: pool.py). No gc.collect(): caches hold no reference cycles,
+        so they are freed the moment a group lets go of them, and a full collection would stall
+        the tick for ~0.2 s."""
         if _LIBC is not None:
             _LIBC.malloc_trim(0)
-        if self.config.device.startswith("cuda"):
-            torch.cuda.empty_cache()
 
     def stats(self) -> dict:
         with self._lock:
