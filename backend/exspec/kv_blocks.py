@@ -357,8 +357,9 @@ class BlockStores:
     @staticmethod
     def allocation_for(reservations: list[int], models: int) -> int:
         """KV entries the stores allocate for sequences holding these reservations (all
-        models, in entries_for units): their blocks, and each store's scratch block."""
-        return sum(reservations) + models * BLOCK_SIZE
+        models, in entries_for units): their blocks, and each store's scratch block (counted
+        beside them, none for an empty pool)."""
+        return sum(reservations) + models * BLOCK_SIZE if reservations else 0
 
     def store(self, model) -> KVStore:
         if id(model) not in self.stores:
