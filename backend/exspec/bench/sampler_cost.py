@@ -49,11 +49,12 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"vocab {args.vocab}, k {args.k}, torch threads {torch.get_num_threads()}, "
-          f"median of {args.rounds} interleaved rounds; seconds per step (ratio to greedy)")
+          f"median of {args.rounds} interleaved rounds after {args.warmup} uncounted; seconds per step (ratio to greedy)")
     print("| B | " + " | ".join(SETTINGS) + " |")
     print("|---" * (len(SETTINGS) + 1) + "|")
     for batch in args.batch:
@@ -61,10 +62,10 @@ def main(argv=None) -> None:
         rows = {name: RowSampling.from_params([SamplingParams(**params)] * batch, "cpu",
                                               list(range(batch))) for name, params in SETTINGS.items()}
         times = {name: [] for name in SETTINGS}
-        for _ in range(args.rounds + 1):   # the first round warms up and is not counted
+        for _ in range(args.warmup + args.rounds):
             for name, row in rows.items():
                 times[name].append(step_seconds(logits, row, args.k))
-        medians = {name: statistics.median(t[1:]) for name, t in times.items()}
+        medians = {name: statistics.median(t[args.warmup:]) for name, t in times.items()}
         greedy = medians["greedy"]
         print(f"| {batch} | " + " | ".join(f"{s:.4f} ({s / greedy:.1f}x)" for s in medians.values()) + " |")
 
