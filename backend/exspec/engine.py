@@ -63,13 +63,15 @@ def kv_token_budget(*models, utilization: float | None = None) -> int:
     each layer's cache on its layer's GPU: their free memory adds up."""
     share = 0.9 if utilization is None else 1.0
     free = sum(max(0, _free_memory(d, utilization)) for d in model_devices(*models))
-    per_entry = []
-    for model in (m for m in models if m is not None):
-        cfg = model.config.get_text_config(decoder=True)
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_entry.append(2 * cfg.num_hidden_layers * heads * head_dim * model.dtype.itemsize)
-    return int(free * share / max(per_entry))
+    return int(free * share / max(kv_bytes_per_entry(m) for m in models if m is not None))
+
+
+def kv_bytes_per_entry(model) -> int:
+    """Bytes one token's KV entry takes in a model's cache: keys and values of every layer."""
+    cfg = model.config.get_text_config(decoder=True)
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * heads * head_dim * model.dtype.itemsize
 
 
 class LLMEngine:
@@ -157,7 +159,9 @@ class LLMEngine:
                                       f"{self.config.max_output_tokens}")
         budget = self.config.max_num_kv_tokens
         if budget is not None:
-            need = self.pool.scheduler.kv_peak(len(prompt_ids), max_tokens, self.max_model_len)
+            scheduler = self.pool.scheduler   # alone in the pool, the layout's own blocks included
+            need = scheduler.allocation_for([scheduler.kv_peak(len(prompt_ids), max_tokens, self.max_model_len)],
+                                            scheduler.models)
             if need > budget:
                 raise InvalidRequestError(
                     f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) can grow to "
@@ -321,15 +325,16 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
     def release_memory(self) -> None:
-        """Hand freed memory back to the system. Caches of every size come and go, and the
-        C allocator keeps what it freed (a soak showed the serving process growing with no
-        Python-level leak: malloc_trim brings it back); on a GPU, empty the CUDA cache. No
-        gc.collect(): caches hold no reference cycles, so they are freed the moment a group
-        lets go of them, and a full collection would stall the tick for ~0.2 s."""
+        """Hand freed host memory back to the system. Caches of every size come and go, and
+        the C allocator keeps what it freed (a soak showed the serving process growing with no
+        Python-level leak: malloc_trim brings it back). The CUDA cache is left alone: the KV
+        budget already holds the GPU's memory for this process, and emptying it whenever the
+        pool went idle made the next requests pay for cudaMalloc again (only a step that ran
+        out of memory empties it: pool.py). No gc.collect(): caches hold no reference cycles,
+        so they are freed the moment a group lets go of them, and a full collection would stall
+        the tick for ~0.2 s."""
         if _LIBC is not None:
             _LIBC.malloc_trim(0)
-        if self.config.device.startswith("cuda"):
-            torch.cuda.empty_cache()
 
     def stats(self) -> dict:
         with self._lock:

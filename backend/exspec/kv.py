@@ -173,6 +173,14 @@ class PaddedKV:
         here (but a group's tensors are rows x its longest row: see allocated_tokens)."""
         return num_tokens
 
+    @staticmethod
+    def allocation_for(reservations: list[int], models: int) -> int:
+        """KV entries (all models) that rows holding these reservations can make the layout
+        allocate: a group's tensors are its rows x its longest row, and however the rows are
+        grouped (EQSPEC: one batch; the ALiBi fallback: EXSPEC's groups) that is at most every
+        row x the longest (design: "EXSPEC scheduling")."""
+        return len(reservations) * max(reservations, default=0)
+
     def allocated_tokens(self) -> int:
         """KV entries the cache tensors hold room for (rows x columns), used or not."""
         return self.batch * self.width

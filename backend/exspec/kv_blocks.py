@@ -133,15 +133,16 @@ class _BlockLayer(DynamicLayer):
 
 class KVStore:
     """One model's KV entries for every sequence of the pool, in blocks (see the module doc).
-    Without a budget it doubles when its blocks run out (one copy of the buffers, rare)."""
+    Under a budget it is made at its full share and never grows; without one it doubles when
+    its blocks run out (one copy of the buffers, rare)."""
 
-    def __init__(self, model, device, num_blocks: int = 64, max_blocks: int | None = None,
+    def __init__(self, model, device, num_blocks: int = 64, grows: bool = True,
                  bucketed: bool = False):
         self.device = torch.device(device)
         self.bucketed = bucketed   # table widths in powers of two (few shapes, for compiling)
         self.masks = LayerMasks.of(model)
         self.num_blocks = max(2, num_blocks)
-        self.max_blocks = max_blocks
+        self.grows = grows
         self.forward = _Forward()
         self.transfers = Transfers(device)   # block tables go up through it (counted, pinned)
         self.cache = new_cache(model)
@@ -187,9 +188,11 @@ class KVStore:
         blocks.clear()
 
     def _grow(self) -> None:
-        new = self.num_blocks * 2 if self.max_blocks is None else min(self.num_blocks * 2, self.max_blocks)
-        if new <= self.num_blocks:
+        # Doubling holds the old and new buffers at once (and on CUDA recaptures every graph),
+        # so a store under a budget is made at its share instead and never grows past it.
+        if not self.grows:
             raise torch.OutOfMemoryError(f"KV store full: {self.num_blocks} blocks of {BLOCK_SIZE} tokens")
+        new = self.num_blocks * 2
         for layer in self.cache.layers:
             layer.grow(new * BLOCK_SIZE)
         self.free(list(range(self.num_blocks, new)))
@@ -336,9 +339,13 @@ class BlockStores:
     """The EXSPEC layout's factory: one KVStore per model, new groups' BlockKVs in them."""
 
     def __init__(self, device, max_num_kv_tokens: int | None = None, bucketed: bool = False):
+        """`max_num_kv_tokens`: each store's share of the budget (None: no budget, stores
+        double as they fill). Under a budget every store takes its whole share when first used
+        (its scratch block within it) and never grows: growing by copying would hold twice the
+        buffers for a moment, past the budget."""
         self.device = device
         self.bucketed = bucketed   # the compiled path: table widths in powers of two
-        self.max_blocks = None if max_num_kv_tokens is None else KVStore.units_for(max_num_kv_tokens) + 1
+        self.blocks = None if max_num_kv_tokens is None else max_num_kv_tokens // BLOCK_SIZE
         self.stores: dict[int, KVStore] = {}
 
     @staticmethod
@@ -347,10 +354,17 @@ class BlockStores:
         admission reserves; design: "EXSPEC scheduling")."""
         return KVStore.units_for(num_tokens) * BLOCK_SIZE
 
+    @staticmethod
+    def allocation_for(reservations: list[int], models: int) -> int:
+        """KV entries the stores allocate for sequences holding these reservations (all
+        models, in entries_for units): their blocks, and each store's scratch block (counted
+        beside them, none for an empty pool)."""
+        return sum(reservations) + models * BLOCK_SIZE if reservations else 0
+
     def store(self, model) -> KVStore:
         if id(model) not in self.stores:
-            initial = 64 if self.max_blocks is None else min(64, self.max_blocks)
-            self.stores[id(model)] = KVStore(model, self.device, initial, self.max_blocks, self.bucketed)
+            self.stores[id(model)] = KVStore(model, self.device, self.blocks or 64,
+                                             grows=self.blocks is None, bucketed=self.bucketed)
         return self.stores[id(model)]
 
     def empty(self, model, batch: int, device) -> BlockKV:

@@ -36,7 +36,8 @@ class SequencePool:
         self.prefilling: list[Group] = []
         self.planned: tuple[Group, int] | None = None   # this tick's step (group, k), not yet run
         self.scheduler = Scheduler(config, has_draft=runner.draft is not None,
-                                   entries_for=runner.kv_layout.entries_for)
+                                   entries_for=runner.kv_layout.entries_for,
+                                   allocation_for=runner.kv_layout.allocation_for)
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -58,7 +59,7 @@ class SequencePool:
         return sum(kv.allocated_tokens() for g in self.groups + self.prefilling for kv in g.caches())
 
     def kv_reserved(self) -> int:
-        return sum(self.scheduler.reservation(s) for s in self.admitted())
+        return self.scheduler.allocation(self.admitted())
 
     # -- intake -------------------------------------------------------------------------------------
     def enqueue(self, seqs: list[Sequence]) -> None:

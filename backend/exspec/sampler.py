@@ -30,6 +30,10 @@ class RowSampling:
     top_p: torch.Tensor | None        # [B] float
     seed: torch.Tensor | None         # [B] long, the key of each row's Gumbel noise
     all_greedy: bool                  # known on the host: no device sync to take the greedy shortcut
+    # known on the host too, from the sampled rows: whether any cuts by top-p (a full sort of
+    # the vocabulary), and the largest top-k (0: none cuts by top-k)
+    any_top_p: bool = True
+    max_top_k: int = 0
 
     @classmethod
     def from_params(cls, params_list, device, seeds: list[int] | None = None,
@@ -44,17 +48,39 @@ class RowSampling:
                                        seeds or [0] * len(params_list)], dtype=torch.long))
         floats = to_device(torch.tensor([[p.temperature if not p.greedy else 1.0 for p in params_list],
                                          [p.top_p for p in params_list]], dtype=torch.float32))
+        sampled = [p for p in params_list if not p.greedy]
         return cls(greedy=ints[0].bool(), temperature=floats[0], top_k=ints[1], top_p=floats[1],
-                   seed=ints[2], all_greedy=False)
+                   seed=ints[2], all_greedy=False, any_top_p=any(p.top_p < 1 for p in sampled),
+                   max_top_k=max(max(p.top_k, 0) for p in sampled))
 
 
 def processed_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     """[B, T, V] logits -> [B, T, V] float32 log p (up to a constant per row) after temperature,
-    top-k and top-p; dropped tokens (and -inf logits) are -inf."""
+    top-k and top-p; dropped tokens (and -inf logits) are -inf. The vocabulary is sorted only
+    where a row cuts by top-p; top-k alone takes the k largest (a tie at the k-th value keeps
+    every tied token, as vLLM does)."""
     scaled = logits.float() / rows.temperature[:, None, None]
+    if rows.any_top_p:
+        return _top_k_top_p(scaled, rows)
+    if rows.max_top_k:
+        return _top_k(scaled, rows)
+    return scaled
+
+
+def _top_k(scaled: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """Each row's logits below its k-th largest dropped (rows with top-k off keep all)."""
+    largest = scaled.topk(min(rows.max_top_k, scaled.shape[-1]), dim=-1).values   # [B, T, kmax]
+    k = rows.top_k.clamp(1, largest.shape[-1])
+    kth = largest.gather(-1, (k - 1)[:, None, None].expand(-1, scaled.shape[1], 1))
+    kth = kth.masked_fill((rows.top_k == 0)[:, None, None], float("-inf"))
+    return scaled.masked_fill(scaled < kth, float("-inf"))
+
+
+def _top_k_top_p(scaled: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """Top-k and top-p by one full sort of the vocabulary."""
     vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=logits.device)
+    rank = torch.arange(vocab, device=scaled.device)
     k = torch.where(rows.top_k > 0, rows.top_k, torch.full_like(rows.top_k, vocab))
     drop = rank >= k[:, None, None]
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)

@@ -185,7 +185,8 @@ def _ema(table: dict, key, value: float, weight: float) -> None:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, has_draft: bool, entries_for=lambda n: n):
+    def __init__(self, config: EngineConfig, has_draft: bool, entries_for=lambda n: n,
+                 allocation_for=lambda reservations, models: sum(reservations)):
         self.config = config
         self.speculative = has_draft and config.speculative
         self.exspec = config.method == "exspec"
@@ -195,6 +196,7 @@ class Scheduler:
         self.draft_stop = DraftStop(None if stop == "auto" else stop) if (
             self.adaptive is not None and stop) else None
         self.entries_for = entries_for      # KV entries the layout allocates a row of n tokens
+        self.allocation_for = allocation_for   # ... and a set of rows with these reservations
         self.models = 2 if has_draft else 1   # the runner prefills the draft whenever it has one
 
     # -- admission ----------------------------------------------------------------------------------
@@ -209,6 +211,12 @@ class Scheduler:
     def reservation(self, seq: Sequence) -> int:
         return self.kv_peak(seq.num_prompt_tokens, seq.max_tokens, seq.max_model_len)
 
+    def allocation(self, seqs: list[Sequence]) -> int:
+        """KV entries the layout can come to allocate for these sequences: what admission
+        holds within max_num_kv_tokens (not their use: a padded group allocates rows x its
+        longest row, and a block store its scratch block too)."""
+        return self.allocation_for([self.reservation(s) for s in seqs], self.models)
+
     def admit(self, waiting, admitted: list[Sequence],
               budget: int | None) -> list[tuple[Sequence, int]]:
         """Waiting sequences to admit now, in arrival order, with the prompt tokens each gets
@@ -219,15 +227,14 @@ class Scheduler:
         limit = self.config.max_num_seqs if self.exspec else self.config.max_batch_size
         room = min(limit - len(admitted), self.config.max_batch_size)
         kv_budget = self.config.max_num_kv_tokens
-        reserved = sum(self.reservation(s) for s in admitted)
+        holding = list(admitted)
         chosen = []
         for seq in waiting:
             if len(chosen) >= room or (budget is not None and budget <= 0):
                 break
-            need = self.reservation(seq)
-            if kv_budget is not None and reserved + need > kv_budget:
+            if kv_budget is not None and self.allocation(holding + [seq]) > kv_budget:
                 break   # waits, in order, for finishing sequences to free their reservations
-            reserved += need
+            holding.append(seq)
             count = seq.num_prompt_tokens if budget is None else min(seq.num_prompt_tokens, budget)
             budget = None if budget is None else budget - count
             chosen.append((seq, count))

@@ -1,9 +1,13 @@
 """Admission by reservation (max_num_kv_tokens): a request is admitted only when what it can
 grow to fits, so a burst whose max_tokens far exceed the budget completes exactly, nothing
-fails and the KV held never passes the budget; one that can never fit is refused at once."""
+fails and the KV held never passes the budget; one that can never fit is refused at once.
+Admission counts what the layout allocates, not what rows use: the KV tensors' own bytes stay
+within the budget through a churning schedule on both layouts."""
 import pytest
 
 from exspec import EngineBusyError, InvalidRequestError, SamplingParams, kv_blocks
+from exspec.engine import kv_bytes_per_entry
+from exspec.kv import PaddedKV
 from exspec.scheduler import Scheduler
 
 from enginekit import make_engine, make_prompts
@@ -14,6 +18,7 @@ LONGEST = 40                                  # make_prompts' longest prompt
 ENTRIES = kv_blocks.BlockStores.entries_for    # whole blocks (EQSPEC's layout: per token)
 PEAK = 2 * ENTRIES(LONGEST + MAX_TOKENS - 1 + K)   # both models, the last step's drafts included
 BUDGET = 3 * PEAK                             # a few long sequences at a time
+SCRATCH = 2 * kv_blocks.BLOCK_SIZE            # each block store's scratch block
 
 
 def burst(pairs, method, count=16):
@@ -65,26 +70,98 @@ def test_admitting_by_prompt_alone_overruns_the_budget_negative_control(pairs, m
 
 
 def test_allocated_kv_never_exceeds_the_budget(pairs):
-    """EXSPEC's block stores: the blocks rows hold stay within their reservations, and each
-    model's store within its share of the budget (plus its scratch block and rounding). (EQSPEC's
-    padded baseline allocates rows x its longest row, which reservations do not bound.)"""
+    """EXSPEC's block stores: the blocks rows hold stay within their reservations, and the
+    stores, made at their share (scratch blocks included) and never grown, within the budget."""
     engine, _ = burst(pairs, "exspec")
     _, final, peak = drive(engine)
     assert all(o.finish_reason != "error" for o in final.values())
     assert peak["allocated"] <= peak["reserved"] <= BUDGET, peak
     stores = engine.runner.kv_layout.stores.values()
+    assert not any(s.grows for s in stores)
     capacity = sum(s.num_blocks * kv_blocks.BLOCK_SIZE for s in stores)
-    assert capacity <= BUDGET + len(stores) * 2 * kv_blocks.BLOCK_SIZE, capacity
+    assert BUDGET - len(stores) * kv_blocks.BLOCK_SIZE < capacity <= BUDGET, capacity
+
+
+def kv_bytes(engine) -> dict[str, int]:
+    """Per model, the bytes of the KV tensors alive in the pool, measured on the tensors: each
+    storage once, whole (a view keeps its storage alive), the block stores' included."""
+    layout, pool = engine.runner.kv_layout, engine.pool
+    groups = pool.groups + pool.prefilling + ([pool.planned[0]] if pool.planned else [])
+    out = {}
+    for role, model in (("target", engine.target), ("draft", engine.draft)):
+        caches = [getattr(g, f"{role}_kv").cache for g in groups]
+        if isinstance(layout, kv_blocks.BlockStores) and id(model) in layout.stores:
+            caches.append(layout.stores[id(model)].cache)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for cache in caches for layer in cache.layers if layer.is_initialized
+                    for t in (layer.keys, layer.values)}
+        out[role] = sum(storages.values())
+    return out
+
+
+def churn(pairs, reference, method):
+    """Requests of mixed lengths arriving while others run, two aborted mid-way, to the end;
+    checks every output against target-only greedy and returns each model's peak KV bytes
+    (sampled after every step) and its share of the budget in bytes."""
+    engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=8,
+                         max_num_seqs=16, num_speculative_tokens=K, max_num_kv_tokens=BUDGET)
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=53, count=14)
+    # long rows (prompts of 21-40 tokens, 60 new) between short ones (1-14, 16-20 new): a
+    # padded group's longest row sets every row's width
+    prompts = [prompts[i] for i in (6, 0, 7, 1, 8, 2, 10, 3, 11, 4, 12, 5, 13, 9)]
+    max_tokens = [MAX_TOKENS if i % 2 == 0 else 16 + i % 5 for i in range(len(prompts))]
+    aborts = {10: "r4", 14: "r8"}   # two long rows, a few steps after they arrived
+    got, final, peak, step = {}, {}, {"target": 0, "draft": 0}, 0
+    while step < len(prompts) or engine.has_unfinished():
+        if step < len(prompts):   # one arrival per step
+            engine.add_request(f"r{step}", prompts[step], SamplingParams(max_tokens=max_tokens[step]))
+        if step in aborts:
+            engine.abort(aborts[step])
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                final[out.request_id] = out
+        peak = {role: max(peak[role], n) for role, n in kv_bytes(engine).items()}
+        step += 1
+    share = {role: BUDGET // 2 * kv_bytes_per_entry(model)
+             for role, model in (("target", engine.target), ("draft", engine.draft))}
+    for i, p in enumerate(prompts):
+        rid, want = f"r{i}", reference(pairs["llama", "target"], p, max_tokens[i])
+        assert final[rid].finish_reason != "error", f"{rid}: {final[rid].error}"
+        if final[rid].finish_reason == "abort":
+            assert got.get(rid, []) == want[:len(got.get(rid, []))], f"{rid} (aborted) differs"
+        else:
+            assert got[rid] == want, f"{rid} differs from target-only greedy"
+    assert {o.finish_reason for o in final.values()} >= {"abort", "length"}
+    return peak, share
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_kv_bytes_stay_within_the_budget_through_churn(pairs, reference, method):
+    """The bytes each model's KV tensors take never pass its share of max_num_kv_tokens, and
+    the budget binds (the pool comes within half of it)."""
+    peak, share = churn(pairs, reference, method)
+    for role in peak:
+        assert share[role] / 2 < peak[role] <= share[role], f"{role}: {peak[role]} of {share[role]} bytes"
+
+
+def test_admitting_padded_rows_by_use_overruns_the_budget_negative_control(pairs, reference,
+                                                                           monkeypatch):
+    """EQSPEC admitting by the entries rows use (the old rule) lets rows x the longest row pass
+    the budget, which the test above would catch."""
+    monkeypatch.setattr(PaddedKV, "allocation_for", staticmethod(lambda reservations, models: sum(reservations)))
+    peak, share = churn(pairs, reference, "eqspec")
+    assert any(peak[role] > share[role] for role in peak), (peak, share)
 
 
 def test_a_request_that_can_never_fit_is_refused_at_once(pairs, reference):
     engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2,
                          max_num_seqs=4, max_queue_len=2, num_speculative_tokens=K,
-                         max_num_kv_tokens=PEAK)
+                         max_num_kv_tokens=PEAK + SCRATCH)
     prompt = make_prompts(320, pairs["llama", "eos"], seed=52, count=8)[7]   # LONGEST tokens
     too_many = MAX_TOKENS + kv_blocks.BLOCK_SIZE   # one block more than fits
     with pytest.raises(InvalidRequestError, match=rf"prompt \({LONGEST} tokens\) \+ max_tokens "
-                                                  rf"\({too_many}\) can grow to {PEAK + 32} KV "
+                                                  rf"\({too_many}\) can grow to {PEAK + 32 + SCRATCH} KV "
                                                   rf"cache entries, more than the whole pool holds"):
         engine.add_request("huge", prompt, SamplingParams(max_tokens=too_many))
     assert not engine.has_unfinished()
@@ -98,4 +175,4 @@ def test_a_request_that_can_never_fit_is_refused_at_once(pairs, reference):
         engine.add_request("r3", prompt, params)
     got, final, peak = drive(engine)
     assert [final[f"r{i}"].finish_reason for i in range(3)] == ["length"] * 3, final
-    assert peak["seqs"] == 1 and peak["reserved"] <= PEAK, peak
+    assert peak["seqs"] == 1 and peak["reserved"] <= PEAK + SCRATCH, peak

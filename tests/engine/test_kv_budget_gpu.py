@@ -52,3 +52,34 @@ def test_a_burst_completes_within_a_capped_gpu(pairs):
         assert torch.cuda.max_memory_reserved() <= cap, "allocations went past the cap"
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_block_stores_take_their_share_at_load_and_never_grow(pairs):
+    """On CUDA the budget comes from the memory free after loading, and each block store takes
+    its whole share at the warm-up (the compiled path, CUDA graphs) and keeps the same buffers
+    through a burst: no doubling, no second buffer alive, no graph recaptured for a new one.
+    (Unverified here: written without a GPU.)"""
+    from exspec import kv_blocks
+    from exspec.engine import kv_bytes_per_entry
+    engine = LLMEngine(EngineConfig(
+        target_model=pairs["llama", "target"], draft_model=pairs["llama", "noisy"],
+        tokenizer=pairs["tokenizer"], method="exspec", num_speculative_tokens=4, max_batch_size=8,
+        max_num_seqs=32, adaptive_k=False, device="cuda", enforce_eager=False,
+        gpu_memory_utilization=0.05))
+    budget = engine.config.max_num_kv_tokens
+    stores = {id(m): engine.runner.kv_layout.stores[id(m)] for m in (engine.target, engine.draft)}
+    buffers = {key: [layer.keys.data_ptr() for layer in s.cache.layers] for key, s in stores.items()}
+    for model in (engine.target, engine.draft):
+        store = stores[id(model)]
+        assert not store.grows and store.num_blocks == budget // 2 // kv_blocks.BLOCK_SIZE
+        held = sum(t.untyped_storage().nbytes() for layer in store.cache.layers
+                   for t in (layer.keys, layer.values))
+        assert held <= budget // 2 * kv_bytes_per_entry(model), (held, budget)
+    for i, p in enumerate(make_prompts(320, pairs["llama", "eos"], seed=62, count=32)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs][:3]
+    assert buffers == {key: [layer.keys.data_ptr() for layer in s.cache.layers]
+                       for key, s in stores.items()}, "a store grew (new buffers)"

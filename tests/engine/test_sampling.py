@@ -167,3 +167,43 @@ def test_rejection_seeded_request_is_independent_of_its_batch(pairs):
     assert crowd[1].token_ids == alone
     again = LLMEngine(EngineConfig(**config)).generate([[5, 6, 7]], params)[0].token_ids
     assert again == alone
+
+
+class SortCalls(torch.overrides.TorchFunctionMode):
+    """Counts full-vocabulary sorts (torch.sort / Tensor.sort) run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sorts = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.sort, torch.Tensor.sort):
+            self.sorts += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("top_ks, top_p, sorts", [
+    ([0, 0, 0, 0], 1.0, 0),      # temperature alone: no sort, no top-k
+    ([0, 3, 50, 7], 1.0, 0),     # top-k alone (one row off): torch.topk, no sort
+    ([0, 3, 50, 7], 0.9, 1)])    # top-p: the one full sort
+def test_processed_logits_sort_only_for_top_p_and_match_the_full_sort(top_ks, top_p, sorts):
+    """The shortcuts give the full sort's distribution (logits without ties), and the full sort
+    runs only where a sampled row cuts by top-p; a greedy row's top-p does not count. (At
+    top_p = 1 the sort also drops the far tail whose cumulative mass rounds to 1 in float32:
+    tokens below ~1e-7 of the mass, hence the tolerance.)"""
+    logits = torch.randn(4, 3, 300, generator=torch.Generator().manual_seed(5)) * 3
+    logits[0, 0, 7] = float("-inf")
+    params = [SamplingParams(temperature=0.7, top_k=k, top_p=top_p) for k in top_ks]
+    rows = RowSampling.from_params(params + [SamplingParams(temperature=0.0, top_p=0.5)], "cpu")
+    logits = torch.cat([logits, logits[:1]])
+    with SortCalls() as calls:
+        got = exspec.sampler.processed_logits(logits, rows)
+    assert calls.sorts == sorts, f"{calls.sorts} sorts for top_k {top_ks}, top_p {top_p}"
+    want = exspec.sampler._top_k_top_p(logits.float() / rows.temperature[:, None, None], rows)
+    torch.testing.assert_close(got[:4].softmax(-1), want[:4].softmax(-1), rtol=0, atol=1e-6)
+    # negative control: a top-k the shortcut ignored would differ from the sort
+    if any(top_ks) and top_p == 1.0:
+        rows.max_top_k = 0
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(exspec.sampler.processed_logits(logits, rows)[:4].softmax(-1),
+                                       want[:4].softmax(-1), rtol=0, atol=1e-6)
