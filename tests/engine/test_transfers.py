@@ -31,17 +31,18 @@ GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 
 
 def audited_run(engine, arrivals, aborts, params):
-    """Run a schedule (enginekit.run_schedule) with every step, merge and prefill audited on
-    its own and every engine.step() call as a whole. Returns (outputs, finished, records, ticks):
-    records are (kind, h2d, d2h, where), ticks (h2d, d2h, sum of the calls', where) per call."""
-    records, ticks = [], []
+    """Run a schedule (enginekit.run_schedule) with every engine.step() call audited, and its
+    crossings split between the steps, merges and prefills it made. Returns (outputs, finished,
+    records, ticks): records are (kind, h2d, d2h, where) per such call, ticks (h2d, d2h, what
+    the calls in it account for, where) per engine.step()."""
+    records, ticks, current = [], [], []
 
     def audited(kind, call):
         def run(*args, **kwargs):
-            audit = TransferAudit()
-            with audit.counting():
-                out = call(*args, **kwargs)
-            records.append((kind, audit.h2d, audit.d2h, audit.where))
+            audit = current[0]
+            h2d, d2h, seen = audit.h2d, audit.d2h, len(audit.where)
+            out = call(*args, **kwargs)
+            records.append((kind, audit.h2d - h2d, audit.d2h - d2h, audit.where[seen:]))
             return out
         return run
 
@@ -52,6 +53,7 @@ def audited_run(engine, arrivals, aborts, params):
 
     def whole_call():
         audit, first = TransferAudit(), len(records)
+        current[:] = [audit]
         with audit.counting():
             out = step()
         inner = records[first:]
