@@ -30,7 +30,8 @@ still specialises a size of 1 (one row, one query token), so the warm-up runs ea
 and 2 rows through a fixed schedule of steps that meets every forward kind once: 4 graphs per
 model with EQSPEC, 2 with EXSPEC (whose one-token forwards are fed as two, a pad first: a pad
 costs its block store nothing), and afterwards nothing recompiles (tests/engine/test_compiled.py
-counts it with Dynamo's own counters).
+counts it with Dynamo's own counters; test_compiled_inductor.py with inductor); a forward that
+compiles after the warm-up anyway logs a warning naming its shape.
 
 Nothing that varies per step reaches the graph as a Python int: the KV layouts hand the model
 device tensors (EXSPEC's block tables, slots and masks, kv_blocks.py; EQSPEC's 2D mask, or its
@@ -47,7 +48,7 @@ forward starts a new replay generation; what outlives it is cloned (the whole-mo
 logits; regionally the lm_head is eager and its logits are new tensors anyway). Rows are not
 padded to buckets: a graph is captured per concrete shape, a capture costs no compile, and the
 rows are at most max_batch_size; shapes first met after the warm-up (other row counts, longer
-cache buckets) are captured at their first use. The warm-up runs its schedule twice (a
+cache buckets) are captured at their first use, and logged (`CompiledForward.__call__`). The warm-up runs its schedule twice (a
 cudagraph tree captures a graph at its second call) and the engine refuses to load if any graph
 was skipped or none captured (`cuda_graph_counts`).
 """
@@ -60,11 +61,13 @@ import torch
 import torch._dynamo.utils
 from transformers.cache_utils import Cache
 
+from .config import log
 from .kv import LayerCache
 from .params import SamplingParams
 
 # "inductor" generates C++ (CPU) or Triton (GPU) kernels. Dynamo's guards, hence recompiles and
-# graph breaks, do not depend on the backend, so tests use "eager" or "aot_eager" (no C++).
+# graph breaks, mostly do not depend on the backend, so most tests use "eager" (no C++); inductor's
+# lowering may add shape guards of its own, which tests/engine/test_compiled_inductor.py checks.
 COMPILE_BACKEND = "inductor"
 
 
@@ -87,6 +90,10 @@ class CompiledForward:
         self.model = model
         self.cuda_graphs = cuda_graphs
         self.active = False   # True while this object runs a forward: the layers dispatch on it
+        # set by warm_up: from then on a forward that compiles, or with CUDA graphs captures a
+        # shape the warm-up did not meet, says so in the log (once per shape)
+        self.warm = False
+        self.shapes: set[tuple[int, int, int]] = set()   # (rows, tokens, KV columns) met
         self.cpp_wrapper = False   # inductor's C++ wrappers (regions of several layers on a CPU)
         # CUDA graphs: inductor's cudagraph trees (mode "reduce-overhead"), see cuda_graph_counts
         options = {"mode": "reduce-overhead"} if cuda_graphs else {}
@@ -123,6 +130,23 @@ class CompiledForward:
         return f"{name}: regional, one graph for its {self.layer_class} layers, {grouping}{wrappers}{graphs}"
 
     def __call__(self, **inputs):
+        if not self.warm:
+            self.shapes.add(_shape(inputs))
+            return self._forward(inputs)
+        graphs, shape = dynamo_counts()["graphs"], _shape(inputs)
+        out = self._forward(inputs)
+        compiled = dynamo_counts()["graphs"] - graphs
+        captured = self.cuda_graphs and shape not in self.shapes
+        if compiled or captured:
+            what = ", ".join(([f"compiled {compiled} new graph(s)"] if compiled else [])
+                             + (["captured its CUDA graphs"] if captured else []))
+            log.warning("exspec: compiled decode path: %s met a shape after the warm-up (%d rows, "
+                        "%d tokens, %d KV columns) and %s; the requests of this step waited for it",
+                        type(self.model).__name__, *shape, what)
+        self.shapes.add(shape)
+        return out
+
+    def _forward(self, inputs):
         if self.cuda_graphs:
             # a new replay generation: the previous forward's graph outputs may be overwritten,
             # which is why nothing of theirs outlives a forward (the logits are cloned)
@@ -173,6 +197,15 @@ class CompiledForward:
                             and next(self.model.parameters()).device.type == "cpu")
         options = {"options": {"cpp_wrapper": True}} if self.cpp_wrapper else self._options
         self.compiled = torch.compile(_run_layers, dynamic=True, backend=COMPILE_BACKEND, **options)
+
+
+def _shape(inputs) -> tuple[int, int, int]:
+    """A forward's (rows, tokens, KV columns): what a compiled graph or a CUDA graph is for."""
+    rows, tokens = inputs["input_ids"].shape
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, dict):
+        mask = next(iter(mask.values()))
+    return rows, tokens, 0 if mask is None else mask.shape[-1]
 
 
 def decoder_layers(model) -> torch.nn.ModuleList | None:
@@ -308,6 +341,11 @@ class WarmUp:
                 f"{self.seconds:.1f} s; " + "; ".join(self.compiled))
 
 
+# The row counts the warm-up steps: torch specialises 1 and keeps any other count symbolic, so
+# these two are every graph a batch size can need (CUDA graphs: see CompiledForward.__call__).
+WARM_UP_ROWS = (1, 2)
+
+
 def warm_up_schedule(k: int) -> list[int]:
     """The k of each warm-up step: a full step (draft 1-token forwards, k + 1 verification), a
     plain one (one-token verification), a speculative one after it (the draft's 2-token first
@@ -323,10 +361,12 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int) -> WarmUp:
                 if m in runner.decode_forwards]
     cuda_graphs = any(f.cuda_graphs for f in forwards)
     rounds = 2 if cuda_graphs else 1
+    for forward in forwards:   # compiling now is the point (a pair's forwards serve each engine built on it)
+        forward.warm = False
     before, start = dynamo_counts(), time.perf_counter()
     skips_before = cuda_graph_counts()["skips"] if cuda_graphs else 0
     params = SamplingParams(max_tokens=8 * (k + 1) * rounds, ignore_eos=True)   # never finishes here
-    for batch in (1, 2):   # whole rounds (no draft stop): the k + 1 verification too
+    for batch in WARM_UP_ROWS:   # whole rounds (no draft stop): the k + 1 verification too
         prompts = [[(7 * i + 3 * j + 1) % vocab_size for j in range(5 + 3 * i)] for i in range(batch)]
         group = runner.new_group([make_sequence(f"warm-up-{batch}-{i}", p, params)
                                   for i, p in enumerate(prompts)])
@@ -334,6 +374,8 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int) -> WarmUp:
         for step_k in warm_up_schedule(k if runner.draft is not None else 0) * rounds:
             runner.step(group, step_k)
             group.realign()
+    for forward in forwards:
+        forward.warm = True
     after = dynamo_counts()
     captured = None
     if cuda_graphs:

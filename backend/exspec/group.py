@@ -22,19 +22,15 @@ class Group:
         self.seqs = seqs
         self.target_kv = target_kv
         self.draft_kv = draft_kv
-        self._sampling: RowSampling | None = None
+        # the rows' sampling settings on the device: set by the runner from the upload of the
+        # first prefill or step that needs them, None again when the rows change
+        self.sampling: RowSampling | None = None
         self.steps = 0   # steps taken with these batched caches (a merge starts a new group)
         self.k: int | None = None        # the k of its last step (adaptive k's hysteresis)
         self.plain_steps_in_a_row = 0
 
     def __len__(self) -> int:
         return len(self.seqs)
-
-    def sampling(self, device, to_device=None) -> RowSampling:
-        if self._sampling is None:
-            self._sampling = RowSampling.from_params([s.params for s in self.seqs], device,
-                                                     [s.seed for s in self.seqs], to_device)
-        return self._sampling
 
     @property
     def equal_length(self) -> bool:
@@ -74,7 +70,7 @@ class Group:
         if len(rows) == len(self.seqs):
             return 0
         self.seqs = [self.seqs[i] for i in rows]
-        self._sampling = None
+        self.sampling = None
         return sum(kv.select(rows) for kv in self.caches()) if rows else 0
 
     @classmethod

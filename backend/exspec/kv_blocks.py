@@ -293,11 +293,11 @@ class BlockKV:
         nb = 1 << (max(2, longest) - 1).bit_length() if self.store.bucketed else longest
         return [t.blocks + [SCRATCH_BLOCK] * (nb - len(t.blocks)) for t in self.tables]
 
-    def table_rows_for(self, extra: int) -> list[list[int]] | None:
-        """Ahead of a step: room for `extra` more entries per row; the new block table's host
+    def table_rows_for(self, extra: list[int]) -> list[list[int]] | None:
+        """Ahead of a step: room for extra[i] more entries in row i; the new block table's host
         rows when the blocks changed (the runner sends them up with the step's other inputs,
         then `use_table`), else None (the device table stands)."""
-        grew = [t.reserve(self.store, t.length + extra) for t in self.tables]
+        grew = [t.reserve(self.store, t.length + more) for t, more in zip(self.tables, extra)]
         return self.host_table() if any(grew) or self._table is None else None
 
     def use_table(self, table: torch.Tensor) -> None:

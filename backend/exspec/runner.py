@@ -22,8 +22,19 @@ from .noise import gumbel
 from .sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
 from .sequence import Sequence
 from .stats import Stats
-from .transfer import Transfers
+from .transfer import Transfers, Upload, floats_from_bits
 from .vocab import PaddedVocab, logit_rows
+
+
+@dataclass
+class StepInputs:
+    """What a step's one upload brought to the device (`ModelRunner._upload_step_inputs`)."""
+    catch_up: tuple | None   # the draft's catch-up forward: (ids, positions, validity, counts)
+    draft: tuple             # the draft's first forward: (ids, positions, validity, counts)
+    pending: torch.Tensor    # [B] each row's pending token
+    start: torch.Tensor      # [B] its position
+    caps: torch.Tensor       # [B] the row's k cap
+    uniforms: torch.Tensor | None   # [B, 2k + 1] rejection sampling's
 
 
 @dataclass
@@ -53,21 +64,65 @@ class ModelRunner:
         self.decode_forwards: dict = {}   # model -> its compiled forward (compiled.py), if used
 
     # -- building blocks ----------------------------------------------------------------------
-    def _ragged_input(self, tails: list[list[int]], starts: list[int], extra: list[list[int]] = ()):
-        """Left-padded ids, positions and validity for rows feeding different token counts, plus
-        `extra` per-row host ints ([E][B]), built on the host and sent in one copy."""
+    def _ragged_rows(self, tails: list[list[int]], starts: list[int]):
+        """Left-padded ids, positions and validity ([B][W] each, on the host) for rows feeding
+        different token counts: row i's tokens at positions starts[i], starts[i] + 1, ..."""
         width = max(len(t) for t in tails)
         ids, pos, valid = [], [], []
         for tail, start in zip(tails, starts):
             pad = width - len(tail)
-            ids += [self.pad_id] * pad + tail
-            pos += [0] * pad + list(range(start, start + len(tail)))
-            valid += [0] * pad + [1] * len(tail)
-        rows = len(tails)
-        flat = self.transfers.ints_to_device(ids + pos + valid + [v for row in extra for v in row])
-        inputs = flat[:3 * rows * width].view(3, rows, width)
-        counts = [len(t) for t in tails]
-        return inputs[0], inputs[1], inputs[2].bool(), counts, flat[3 * rows * width:].view(len(extra), rows)
+            ids.append([self.pad_id] * pad + tail)
+            pos.append([0] * pad + list(range(start, start + len(tail))))
+            valid.append([0] * pad + [1] * len(tail))
+        return ids, pos, valid
+
+    def _stage_ragged(self, upload: Upload, tails: list[list[int]], starts: list[int]) -> int:
+        """`_ragged_rows` as one [3, B, W] section of an upload (`_ragged` reads it back)."""
+        parts = self._ragged_rows(tails, starts)
+        return upload.add([v for part in parts for row in part for v in row],
+                          3, len(tails), max(len(t) for t in tails))
+
+    @staticmethod
+    def _ragged(section: torch.Tensor, tails: list[list[int]]):
+        """A sent `_stage_ragged` section: ids, positions, validity (device) and counts (host)."""
+        return section[0], section[1], section[2].bool(), [len(t) for t in tails]
+
+    @staticmethod
+    def _stage_tables(upload: Upload, extra: dict) -> list[tuple]:
+        """Room for extra[kv][i] more entries in row i of each cache, and, as sections, the
+        block tables of those whose rows took new blocks (EXSPEC's; `_use_tables` installs
+        them), so no forward sends a table of its own."""
+        staged = []
+        for kv, more in extra.items():
+            table = kv.table_rows_for(more)
+            if table is not None:
+                staged.append((kv, upload.add([b for row in table for b in row], len(table), len(table[0]))))
+        return staged
+
+    @staticmethod
+    def _use_tables(staged: list[tuple], sent: list[torch.Tensor]) -> None:
+        for kv, at in staged:
+            kv.use_table(sent[at])
+
+    def _stage_sampling(self, upload: Upload, seqs: list[Sequence]) -> int | None:
+        """The rows' sampling settings as a section (None when all are greedy: none to send)."""
+        columns = RowSampling.host_columns([s.params for s in seqs], [s.seed for s in seqs])
+        return None if columns is None else upload.add(columns, RowSampling.COLUMNS, len(seqs))
+
+    @staticmethod
+    def _sampling_sent(sent: list[torch.Tensor], at: int | None, seqs: list[Sequence]) -> RowSampling:
+        """The settings `_stage_sampling` staged at `at`, as they arrived on the device."""
+        return RowSampling.from_columns(None if at is None else sent[at], [s.params for s in seqs])
+
+    def _stage_uniforms(self, upload: Upload, seqs: list[Sequence], count: int) -> int:
+        """[B, count] uniforms as a section (float bits): each sampled row draws from its own
+        seeded generator, in order, so a request's output does not depend on what else is in
+        the batch (rejection sampling's; gumbel's noise needs none)."""
+        u = torch.full((len(seqs), count), 0.5)
+        for row, seq in enumerate(seqs):
+            if seq.generator is not None:
+                u[row] = torch.rand(count, generator=seq.generator)
+        return upload.add(u.view(torch.int32).reshape(-1).tolist(), len(seqs), count)
 
     def _forward(self, model, kv, ids, pos, valid, counts: list[int], keep: int, decode=True):
         """decode: a forward of a step (compiled on the compiled path); a prefill is not."""
@@ -90,15 +145,6 @@ class ModelRunner:
         # a target spread over GPUs ends on its last GPU; sampling lives on the engine's device
         logits = out.logits.to(self.device)
         return self.vocab.draft_logits(logits) if to_target_vocab else logits
-
-    def _uniforms(self, seqs: list[Sequence], count: int) -> torch.Tensor:
-        """[B, count] uniforms: each sampled row draws from its own seeded generator, in order,
-        so a request's output does not depend on what else is in the batch."""
-        u = torch.full((len(seqs), count), 0.5)
-        for row, seq in enumerate(seqs):
-            if seq.generator is not None:
-                u[row] = torch.rand(count, generator=seq.generator)
-        return self.transfers.to_device(u)
 
     def _noise(self, rows: RowSampling, first: torch.Tensor, count: int) -> torch.Tensor | None:
         """[B, count, V] Gumbel noise of each row's positions first .. first+count-1 (`first` [B],
@@ -126,7 +172,17 @@ class ModelRunner:
         with self.stats.timer("prefill"):
             starts = [s.num_cached_target for s in seqs]
             chunks = [s.tokens[n:n + c] for s, n, c in zip(seqs, starts, counts)]
-            ids, pos, valid, fed, _ = self._ragged_input(chunks, starts)
+            done = [n + c == s.num_prompt_tokens for s, n, c in zip(seqs, starts, counts)]
+            rows = [i for i, d in enumerate(done) if d]
+            # one copy up: the chunks, and for rows that finish their prompt what picking
+            # their first token needs
+            upload = Upload()
+            at = self._stage_ragged(upload, chunks, starts)
+            first = self._stage_first_tokens(upload, group, rows)
+            tables = self._stage_tables(upload, {kv: counts for kv in group.caches()})
+            sent = upload.send(self.transfers)
+            self._use_tables(tables, sent)
+            ids, pos, valid, fed = self._ragged(sent[at], chunks)
             logits = self._forward(self.target, group.target_kv, ids, pos, valid, fed, keep=1,
                                    decode=False)
             if self.draft is not None:
@@ -134,44 +190,56 @@ class ModelRunner:
             for seq, chunk in zip(seqs, chunks):
                 seq.num_cached_target += len(chunk)
                 seq.num_cached_draft += len(chunk)
-            done = [s.num_cached_target == s.num_prompt_tokens for s in seqs]
-            rows = [i for i, d in enumerate(done) if d]
             if rows:   # each row's last fed token is in the last column: the next position follows
-                self._first_tokens(group, logits, rows, pos[:, -1] + 1)
+                self._first_tokens(group, logits, rows, pos[:, -1] + 1, first, sent)
             n = sum(fed)
             self.stats.add("prefill_tokens_target", n)
             if self.draft is not None:
                 self.stats.add("prefill_tokens_draft", n)
         return done
 
-    def _first_tokens(self, group: Group, logits: torch.Tensor, rows: list[int],
-                      next_pos: torch.Tensor) -> None:
-        """Commit the first token of the given rows from their last prompt token's logits
-        (next_pos [B]: each row's next position, on the device)."""
+    def _stage_first_tokens(self, upload: Upload, group: Group, rows: list[int]):
+        """What picking the first token of `rows` needs, staged: their sampling settings (the
+        group's, kept, when every row finishes), the rows' index when only some do, and under
+        rejection sampling their uniforms. Returns the sections' indices."""
+        if not rows:
+            return None, None, None
         seqs = [group.seqs[i] for i in rows]
-        sampling = group.sampling(self.device, self.transfers.to_device)
-        if len(rows) < len(group):
-            sampling = RowSampling.from_params([s.params for s in seqs], self.device,
-                                               [s.seed for s in seqs], self.transfers.to_device)
-            index = self.transfers.ints_to_device(rows)
-            logits, next_pos = logits[index], next_pos[index]
-        first, _ = self._pick(logits[:, 0], sampling, seqs, self._noise(sampling, next_pos, 1))
+        whole = len(rows) == len(group)
+        sampling = None if (whole and group.sampling is not None) else self._stage_sampling(upload, seqs)
+        index = None if whole else upload.add(rows, len(rows))
+        u = None if self._coupled_params(seqs) else self._stage_uniforms(upload, seqs, 1)
+        return sampling, index, u
+
+    def _first_tokens(self, group: Group, logits: torch.Tensor, rows: list[int],
+                      next_pos: torch.Tensor, staged, sent: list[torch.Tensor]) -> None:
+        """Commit the first token of the given rows from their last prompt token's logits
+        (next_pos [B]: each row's next position, on the device; `staged`: the sections of
+        `_stage_first_tokens` in `sent`)."""
+        seqs = [group.seqs[i] for i in rows]
+        sampling_at, index_at, u_at = staged
+        if index_at is None:   # every row: the group's settings, kept for its steps
+            if group.sampling is None:
+                group.sampling = self._sampling_sent(sent, sampling_at, seqs)
+            sampling = group.sampling
+        else:
+            sampling = self._sampling_sent(sent, sampling_at, seqs)
+            logits, next_pos = logits[sent[index_at]], next_pos[sent[index_at]]
+        u = None if u_at is None else floats_from_bits(sent[u_at])[:, 0]
+        first, _ = self._pick(logits[:, 0], sampling, self._noise(sampling, next_pos, 1), u)
         lp = token_logprobs(logits[:, :1], first[:, None], [s.params.logprobs for s in seqs])
         for row, (seq, token) in enumerate(zip(seqs, self.transfers.to_host(first))):
             seq.append([token], lp[row])
 
-    def catch_up_draft(self, group: Group) -> None:
-        """After plain steps the draft lags; feed it what it missed (one batched prefill)."""
-        lags = [s.num_tokens - s.num_cached_draft for s in group.seqs]
-        if max(lags) <= 2:
-            return  # the first draft forward of the next step feeds up to two tokens anyway
+    def _catch_up_draft(self, group: Group, catch_up) -> None:
+        """After plain steps the draft lags; feed it what it missed in one batched forward
+        (`catch_up`: its input, which came up with the step's other inputs)."""
+        ids, pos, valid, counts = catch_up
         with self.stats.timer("prefill"):
-            tails = [s.tokens[s.num_cached_draft:-1] for s in group.seqs]
-            ids, pos, valid, counts, _ = self._ragged_input(tails, [s.num_cached_draft for s in group.seqs])
             self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)
-            for seq, tail in zip(group.seqs, tails):
-                seq.num_cached_draft += len(tail)
-            self.stats.add("prefill_tokens_draft", sum(len(t) for t in tails))
+            for seq, count in zip(group.seqs, counts):
+                seq.num_cached_draft += count
+            self.stats.add("prefill_tokens_draft", sum(counts))
 
     # -- one step ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -181,19 +249,19 @@ class ModelRunner:
         round ends after that draft; with it the draft's confidences are measured and returned
         (a host read per draft token)."""
         seqs = group.seqs
-        rows = group.sampling(self.device, self.transfers.to_device)
+        inputs = self._upload_step_inputs(group, k)
+        rows = group.sampling
         coupled = self._coupled(rows)
-        # rejection sampling: one uniform per draft token, per acceptance test, and for the final token
-        u = None if coupled else self._uniforms(seqs, 2 * k + 1)
-        if k > 0:
-            self.catch_up_draft(group)
-        draft_in, pending, start, caps = self._upload_step_inputs(group, k)
+        u = inputs.uniforms   # rejection sampling: one per draft token, per acceptance test, and for the final token
+        if inputs.catch_up is not None:
+            self._catch_up_draft(group, inputs.catch_up)
+        pending, start, caps = inputs.pending, inputs.start, inputs.caps
         noise = self._noise(rows, start + 1, k + 1)   # gumbel: positions m .. m+k, draft and target alike
 
         draft_tokens = q = bins = None
         if k > 0:
             with self.stats.timer("draft"):
-                draft_tokens, q, bins = self._draft(group, k, rows, u, noise, draft_in, start + 1,
+                draft_tokens, q, bins = self._draft(group, k, rows, u, noise, inputs.draft, start + 1,
                                                     stop if coupled else None)
             if draft_tokens.shape[1] < k:   # the round stopped at an unsure draft
                 self.stats.add("draft_stopped_steps")
@@ -211,26 +279,45 @@ class ModelRunner:
         return StepResult(committed, accepted, k,
                           None if bins is None else [row[k + 2:] for row in host])
 
-    def _upload_step_inputs(self, group: Group, k: int):
-        """The step's one host-to-device copy: the draft's first input (what its cache lacks:
-        1-2 tokens per row), per row the pending token, its position and the row's k cap, and
-        the block table of a cache whose rows just took new blocks (as columns). Returns the
-        draft's first input (ids, positions, validity, counts) and the pending tokens, their
-        positions and the k caps, all on the device."""
+    def _upload_step_inputs(self, group: Group, k: int) -> "StepInputs":
+        """The step's one host-to-device copy: the draft's catch-up input after plain steps, its
+        first input (what its cache lacks: 1-2 tokens per row), per row the pending token, its
+        position and the row's k cap, the block table of a cache whose rows take new blocks
+        this step, the rows' sampling settings when the group is new or lost rows, and
+        rejection sampling's uniforms."""
         seqs = group.seqs
-        per_row = [[s.pending_token for s in seqs], [s.num_tokens - 1 for s in seqs],
-                   [s.drafts_at(k) for s in seqs]]
-        tables = [(kv, table) for kv in (group.target_kv, group.draft_kv if k > 0 else None)
-                  if kv is not None and (table := kv.table_rows_for(k + 1)) is not None]
-        per_row += [list(column) for _, table in tables for column in zip(*table)]
-        tails = [s.tokens[s.num_cached_draft:] for s in seqs] if k > 0 else [[]] * len(seqs)
-        draft_in = self._ragged_input(tails, [s.num_cached_draft for s in seqs], per_row)
-        pending, start, caps = draft_in[-1][:3]
-        at = 3
-        for kv, table in tables:
-            kv.use_table(draft_in[-1][at:at + len(table[0])].T.contiguous())
-            at += len(table[0])
-        return draft_in[:4], pending, start, caps
+        upload = Upload()
+        tails, starts = [[]] * len(seqs), [s.num_cached_draft for s in seqs]
+        catch_up = None   # (what the draft lacks but the pending token, its section)
+        if k > 0:
+            tails = [s.tokens[s.num_cached_draft:] for s in seqs]
+            if max(len(t) for t in tails) > 2:   # more than a first draft forward feeds anyway
+                behind = [t[:-1] for t in tails]
+                catch_up = (behind, self._stage_ragged(upload, behind, starts))
+                tails, starts = [t[-1:] for t in tails], [s.num_tokens - 1 for s in seqs]
+        draft_at = self._stage_ragged(upload, tails, starts)
+        per_row = [s.pending_token for s in seqs] + [s.num_tokens - 1 for s in seqs] + [
+            s.drafts_at(k) for s in seqs]
+        per_row_at = upload.add(per_row, 3, len(seqs))
+        # room for what each model is fed this step: the target k + 1 per row, the draft what it
+        # lacks and k - 1 more drafts
+        extra = {group.target_kv: [k + 1] * len(seqs)}
+        if k > 0:
+            extra[group.draft_kv] = [s.num_tokens - s.num_cached_draft + k - 1 for s in seqs]
+        tables = self._stage_tables(upload, extra)
+        sampling_at = self._stage_sampling(upload, seqs) if group.sampling is None else None
+        coupled = self._coupled_params(seqs)
+        u_at = None if coupled else self._stage_uniforms(upload, seqs, 2 * k + 1)
+        sent = upload.send(self.transfers)
+
+        if group.sampling is None:
+            group.sampling = self._sampling_sent(sent, sampling_at, seqs)
+        columns = sent[per_row_at]
+        self._use_tables(tables, sent)
+        return StepInputs(
+            catch_up=None if catch_up is None else self._ragged(sent[catch_up[1]], catch_up[0]),
+            draft=self._ragged(sent[draft_at], tails), pending=columns[0], start=columns[1],
+            caps=columns[2], uniforms=None if u_at is None else floats_from_bits(sent[u_at]))
 
     def _verify(self, group: Group, k: int, rows: RowSampling, coupled: bool, u, noise,
                 pending, start, draft_tokens, q):
@@ -248,7 +335,7 @@ class ModelRunner:
             num_accepted = matches.long().cumprod(-1).sum(-1)
         elif k == 0:
             num_accepted = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
-            tokens = self._pick(logits[:, 0], rows, seqs, u=u[:, 0])[0].unsqueeze(1)
+            tokens = self._pick(logits[:, 0], rows, u=u[:, 0])[0].unsqueeze(1)
         else:
             p = probs_from_logits(logits, rows)
             num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
@@ -289,7 +376,7 @@ class ModelRunner:
         tokens, probs, logits_seen = [], [], []
         for j in range(k):
             logits = self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)
-            token, q = self._pick(logits[:, 0], rows, seqs, None if noise is None else noise[:, j:j + 1],
+            token, q = self._pick(logits[:, 0], rows, None if noise is None else noise[:, j:j + 1],
                                   None if u is None else u[:, j])
             tokens.append(token)
             probs.append(q)
@@ -309,14 +396,17 @@ class ModelRunner:
         """True when tokens are argmaxes (greedy, or gumbel noise) and acceptance is agreement."""
         return self.coupling == "gumbel" or rows.all_greedy
 
-    def _pick(self, logits: torch.Tensor, rows: RowSampling, seqs, noise=None, u=None):
+    def _coupled_params(self, seqs: list[Sequence]) -> bool:
+        """`_coupled` from the rows' parameters, before their settings are on the device."""
+        return self.coupling == "gumbel" or all(s.params.greedy for s in seqs)
+
+    def _pick(self, logits: torch.Tensor, rows: RowSampling, noise=None, u=None):
         """Next token per row from [B, V] logits: under the gumbel coupling (or greedy) the
         argmax, with noise [B, 1, V] of that position, no distribution built; else a sample on
         uniforms u [B] with its distribution q."""
         if self._coupled(rows):
             return coupled_tokens(logits[:, None], rows, noise)[:, 0], None
         q = probs_from_logits(logits[:, None], rows)[:, 0]
-        u = self._uniforms(seqs, 1)[:, 0] if u is None else u
         return sample(q, u), q
 
     def _count(self, seqs, k, accepted, committed) -> None:

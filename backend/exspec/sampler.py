@@ -17,13 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .transfer import float_bits, floats_from_bits
+
 COUPLINGS = ("gumbel", "rejection")
 
 
 @dataclass
 class RowSampling:
-    """Per-row sampling settings of a group, as device tensors (built once per group; an
-    all-greedy group, which never reads them, builds none)."""
+    """Per-row sampling settings of a group, as device tensors (built once per group from its
+    step's one upload; an all-greedy group, which never reads them, builds none)."""
     greedy: torch.Tensor | None       # [B] bool
     temperature: torch.Tensor | None  # [B] float (1.0 where greedy, unused there)
     top_k: torch.Tensor | None        # [B] long, 0 = off
@@ -35,23 +37,43 @@ class RowSampling:
     any_top_p: bool = True
     max_top_k: int = 0
 
+    COLUMNS = 5   # greedy, top_k, seed, and the float32 bits of temperature and top_p
+
+    @staticmethod
+    def host_columns(params_list, seeds: list[int]) -> list[int] | None:
+        """The settings as host ints ([COLUMNS, B], row-major) for an upload (transfer.Upload),
+        floats as their bits; None when every row is greedy (nothing to send)."""
+        if all(p.greedy for p in params_list):
+            return None
+        return ([int(p.greedy) for p in params_list] + [max(p.top_k, 0) for p in params_list]
+                + list(seeds)
+                + float_bits([p.temperature if not p.greedy else 1.0 for p in params_list])
+                + float_bits([p.top_p for p in params_list]))
+
+    @classmethod
+    def from_columns(cls, columns: torch.Tensor | None, params_list) -> "RowSampling":
+        """From `host_columns` on the device ([COLUMNS, B]; None: every row greedy); the host
+        flags (any top-p, largest top-k) from the same rows' params, so no read back."""
+        if columns is None:
+            return cls(None, None, None, None, None, all_greedy=True)
+        floats = floats_from_bits(columns[3:])
+        sampled = [p for p in params_list if not p.greedy]
+        return cls(greedy=columns[0].bool(), temperature=floats[0], top_k=columns[1],
+                   top_p=floats[1], seed=columns[2], all_greedy=False,
+                   any_top_p=any(p.top_p < 1 for p in sampled),
+                   max_top_k=max(max(p.top_k, 0) for p in sampled))
+
     @classmethod
     def from_params(cls, params_list, device, seeds: list[int] | None = None,
                     to_device=None) -> "RowSampling":
-        """`to_device` copies a host tensor to the device (the runner's counted copy); the
-        settings cross in two copies, one of ints and one of floats."""
-        if all(p.greedy for p in params_list):
-            return cls(None, None, None, None, None, all_greedy=True)
+        """Outside a step (references, tests): the settings in one copy (`to_device`, default
+        `.to(device)`)."""
+        columns = cls.host_columns(params_list, seeds or [0] * len(params_list))
+        if columns is None:
+            return cls.from_columns(None, params_list)
         to_device = to_device or (lambda t: t.to(device))
-        ints = to_device(torch.tensor([[int(p.greedy) for p in params_list],
-                                       [max(p.top_k, 0) for p in params_list],
-                                       seeds or [0] * len(params_list)], dtype=torch.long))
-        floats = to_device(torch.tensor([[p.temperature if not p.greedy else 1.0 for p in params_list],
-                                         [p.top_p for p in params_list]], dtype=torch.float32))
-        sampled = [p for p in params_list if not p.greedy]
-        return cls(greedy=ints[0].bool(), temperature=floats[0], top_k=ints[1], top_p=floats[1],
-                   seed=ints[2], all_greedy=False, any_top_p=any(p.top_p < 1 for p in sampled),
-                   max_top_k=max(max(p.top_k, 0) for p in sampled))
+        return cls.from_columns(to_device(torch.tensor(columns, dtype=torch.long).view(cls.COLUMNS, -1)),
+                                params_list)
 
 
 def processed_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:

@@ -96,14 +96,15 @@ def test_identical_draft_accepts_every_token(pairs):
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_shifted_positions_break_equivalence(pairs, reference, monkeypatch, arch):
     """Negative control: positions off by one for padded rows must be caught by the oracle."""
-    original = ModelRunner._ragged_input
+    original = ModelRunner._ragged_rows
 
-    def shifted(self, tails, starts, extra=()):
-        ids, pos, valid, counts, per_row = original(self, tails, starts, extra)
-        short = valid.sum(1) < valid.shape[1]
-        return ids, pos + short[:, None].long() * valid.long(), valid, counts, per_row
+    def shifted(self, tails, starts):
+        ids, pos, valid = original(self, tails, starts)
+        # a padded row's real tokens one position late
+        pos = [[p + v for p, v in zip(row, ok)] if 0 in ok else row for row, ok in zip(pos, valid)]
+        return ids, pos, valid
 
-    monkeypatch.setattr(ModelRunner, "_ragged_input", shifted)
+    monkeypatch.setattr(ModelRunner, "_ragged_rows", shifted)
     max_len = GPT2_MAX_POS if arch == "gpt2" else 256
     prompts = make_prompts(320, pairs[arch, "eos"], seed=11, count=8)
     engine = make_engine(pairs, arch, "noisy", max_batch_size=8)

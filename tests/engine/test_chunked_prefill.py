@@ -85,11 +85,11 @@ def test_short_outputs_are_exact_beside_a_chunked_prefill(pairs, reference):
 def test_chunk_positions_matter_negative_control(pairs, reference, monkeypatch):
     """A chunk fed at positions 0.. instead of its real ones must break the output: the
     exactness check above would see a chunking bug."""
-    original = ModelRunner._ragged_input
+    original = ModelRunner._ragged_rows
 
-    def from_zero(self, tails, starts, extra=()):
-        return original(self, tails, [0] * len(starts), extra)
-    monkeypatch.setattr(ModelRunner, "_ragged_input", from_zero)
+    def from_zero(self, tails, starts):
+        return original(self, tails, [0] * len(starts))
+    monkeypatch.setattr(ModelRunner, "_ragged_rows", from_zero)
     with pytest.raises(AssertionError, match="chunked prompt's output differs"):
         run_long_beside_short(pairs, reference, "exspec")
     # the same break with whole prompts (fed from position 0 anyway) changes no output: the

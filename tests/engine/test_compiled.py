@@ -5,6 +5,7 @@ Dynamo's guards (hence recompiles and graph breaks) do not depend on the compile
 these tests compile with the "eager" backend: no C++ is generated in CI. The inductor backend
 is exercised by exspec-bench --paths eager,compiled.
 """
+import logging
 import random
 
 import pytest
@@ -103,8 +104,26 @@ def test_broken_compiled_forward_fails_equivalence(pairs, reference, monkeypatch
                for out, p in zip(outs, prompts)), "a broken compiled forward went unnoticed"
 
 
+def ragged_schedule(eos: int, seed: int, count: int, last_tick: int, max_tokens: int, aborted: int):
+    """Greedy requests (prompts of 2+ tokens) arriving at random ticks up to last_tick, each
+    with its own max_tokens (4 .. max_tokens) and k cap; every 4th (from `aborted`) aborted 1-4
+    ticks after it arrived. Returns prompts, arrivals, aborts, params (run_schedule's)."""
+    rng = random.Random(seed)
+    prompts = [p for p in make_prompts(320, eos, seed=8, count=count) if len(p) > 1]
+    arrivals, aborts, params = {}, {}, {}
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        tick = rng.randint(0, last_tick)
+        arrivals.setdefault(tick, []).append((rid, p))
+        params[rid] = SamplingParams(max_tokens=rng.randint(4, max_tokens),
+                                     num_speculative_tokens=rng.choice([None, 1, 2]))
+        if i % 4 == aborted:
+            aborts.setdefault(tick + rng.randint(1, 4), []).append(rid)
+    return prompts, arrivals, aborts, params
+
+
 @pytest.mark.parametrize("method", ["exspec", "eqspec"])
-def test_no_recompile_or_graph_break_after_warm_up(pairs, method):
+def test_no_recompile_or_graph_break_after_warm_up(pairs, method, caplog):
     """A mixed run after the warm-up: arrivals, aborts, ragged acceptance, adaptive k moving
     (down to plain steps and back, with draft catch-ups), per-request k caps and rows leaving.
     Dynamo's own counters must not move."""
@@ -113,22 +132,39 @@ def test_no_recompile_or_graph_break_after_warm_up(pairs, method):
                          enforce_eager=False)
     assert engine.warm_up.graph_breaks == 0, "the warm-up itself broke a graph"
     before = compiled.dynamo_counts()
-    rng = random.Random(5)
-    prompts = [p for p in make_prompts(320, pairs["llama", "eos"], seed=8, count=14) if len(p) > 1]
-    arrivals, aborts, params = {}, {}, {}
-    for i, p in enumerate(prompts):
-        rid = f"r{i}"
-        tick = rng.randint(0, 20)
-        arrivals.setdefault(tick, []).append((rid, p))
-        params[rid] = SamplingParams(max_tokens=rng.randint(4, 30),
-                                     num_speculative_tokens=rng.choice([None, 1, 2]))
-        if i % 4 == 0:
-            aborts.setdefault(tick + rng.randint(1, 4), []).append(rid)
-    run_schedule(engine, arrivals, aborts, params)
+    _, arrivals, aborts, params = ragged_schedule(pairs["llama", "eos"], 5, count=14, last_tick=20,
+                                                  max_tokens=30, aborted=0)
+    with caplog.at_level(logging.WARNING, logger="exspec"):
+        run_schedule(engine, arrivals, aborts, params)
     ks = {shape["k"] for shape in engine.stats()["steps_by_shape"]}
     assert len(ks) >= 2, f"k never changed ({ks}): the run does not exercise it"
     assert compiled.dynamo_counts() == before, (
         f"after warm-up: {before} -> {compiled.dynamo_counts()} (graphs = compiles)")
+    assert not [r.getMessage() for r in caplog.records if NEW_SHAPE in r.getMessage()]
+
+
+NEW_SHAPE = "met a shape after the warm-up"
+
+
+def test_a_shape_the_warm_up_missed_compiles_and_says_so_in_the_log(pairs, reference, monkeypatch, caplog):
+    """Negative control of the warm-up's coverage: warmed up at one row only, the first step of
+    three rows compiles the many-row graphs then, and the log says so, once per shape, with
+    the tokens still exact."""
+    monkeypatch.setattr(compiled, "WARM_UP_ROWS", (1,))
+    # the target alone: half the compiling of a pair, the same warm-up and forwards
+    engine = make_engine(pairs, "llama", "noisy", method="autoregressive", max_batch_size=3,
+                         enforce_eager=False)
+    before = compiled.dynamo_counts()
+    prompts = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9, 10, 11, 12]]
+    with caplog.at_level(logging.WARNING, logger="exspec"):
+        outs = engine.generate(prompts, SamplingParams(max_tokens=8))
+    assert compiled.dynamo_counts()["graphs"] > before["graphs"], "nothing compiled after the warm-up"
+    logged = [r.getMessage() for r in caplog.records if r.name == "exspec"]
+    lines = [line for line in logged if NEW_SHAPE in line]
+    assert lines and all("3 rows" in line and "compiled" in line for line in lines), logged
+    assert len(lines) == len(set(lines)), f"a shape logged twice: {lines}"
+    for out, p in zip(outs, prompts):
+        assert out.token_ids == reference(pairs["llama", "target"], p, 8)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

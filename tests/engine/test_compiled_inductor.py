@@ -1,0 +1,57 @@
+"""The compiled decode path with the real compiler: inductor (C++ kernels on a CPU; g++ must be
+installed), where tests/engine/test_compiled.py uses Dynamo's "eager" backend for speed. Dynamo
+decides recompiles, but inductor adds guards of its own (on the sizes its kernels specialise
+for), so only this run shows that nothing compiles after the warm-up with the backend that is
+served."""
+import logging
+
+import pytest
+import torch
+import torch._dynamo.utils
+
+from exspec import compiled
+
+from enginekit import make_engine, run_schedule
+from test_compiled import NEW_SHAPE, assert_no_ties, ragged_schedule
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()   # each engine's models are new: start from an empty code cache
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow   # a cold inductor warm-up of the pair's 4 graphs: 130-170 s on a shared 2-core machine
+def test_inductor_path_recompiles_nothing_after_warm_up_and_matches_target_greedy(
+        pairs, reference, caplog):
+    """A ragged schedule after an inductor warm-up (arrivals over 16 ticks, aborts, rows
+    leaving, 1 to 4 rows per step, adaptive k moving down to plain steps and back, per-request k
+    caps): Dynamo's counters do not move, nothing is logged as a new shape, and every token is
+    the target-only greedy one."""
+    assert compiled.COMPILE_BACKEND == "inductor"
+    engine = make_engine(pairs, "llama", "independent", method="exspec", max_batch_size=4,
+                         max_num_seqs=6, adaptive_k=True, draft_stop_confidence=0,
+                         num_speculative_tokens=3, enforce_eager=False)
+    # inductor built the warm-up's graphs: its FX graph cache was asked for each one
+    inductor = torch._dynamo.utils.counters["inductor"]
+    assert inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_hit"] >= engine.warm_up.graphs > 0
+    assert engine.warm_up.graph_breaks == 0, engine.warm_up.describe()
+    before = compiled.dynamo_counts()
+
+    prompts, arrivals, aborts, params = ragged_schedule(pairs["llama", "eos"], 3, count=10,
+                                                        last_tick=16, max_tokens=16, aborted=1)
+    with caplog.at_level(logging.WARNING, logger="exspec"):
+        outputs, finished, _ = run_schedule(engine, arrivals, aborts, params)
+
+    assert compiled.dynamo_counts() == before, f"after warm-up: {before} -> {compiled.dynamo_counts()}"
+    assert not [r.getMessage() for r in caplog.records if NEW_SHAPE in r.getMessage()]
+    shapes = engine.stats()["steps_by_shape"]
+    assert len({s["k"] for s in shapes}) >= 2 and len({s["rows"] for s in shapes}) >= 3, shapes
+    refs = {f"r{i}": reference(pairs["llama", "target"], p, params[f"r{i}"].max_tokens)
+            for i, p in enumerate(prompts)}
+    assert_no_ties(pairs["llama", "target"], prompts, list(refs.values()))
+    for rid, ref in refs.items():
+        tokens = [t for out in outputs[rid] for t in out.new_token_ids]
+        expected = ref if finished[rid].finish_reason != "abort" else ref[:len(tokens)]
+        assert tokens == expected, f"{rid}: got {tokens}, expected {expected}"
