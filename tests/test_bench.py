@@ -162,7 +162,7 @@ def test_sampled_run_compares_both_couplings_with_the_seeded_reference(bench_inp
     assert "gumbel" in (out / "results.md").read_text()
 
 
-def test_ngram_methods_on_a_shipped_prompt_set_are_exact_and_propose(bench_inputs):
+def test_ngram_methods_on_a_shipped_prompt_set_are_exact(bench_inputs):
     """--methods *_ngram: prompt lookup, no draft model; --prompt-set grounded: the shipped set,
     through the chat template. Exact (this random pair seldom repeats itself, so whether it
     proposes is left to tests/engine/test_ngram.py)."""
