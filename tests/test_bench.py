@@ -29,7 +29,8 @@ CELL_SCHEMA = {   # key: (allowed types, may be null)
 # reports it).
 SHARES = ("exact_match_share", "prefix_match_mean", "acceptance_rate", "realign_share",
           "equal_length_step_share")
-METHODS = ("autoregressive", "eqspec", "exspec", "hf_generate", "hf_assisted")
+METHODS = ("autoregressive", "eqspec", "exspec", "eqspec_ngram", "exspec_ngram", "hf_generate",
+           "hf_assisted")
 
 
 def check_schema(results: dict) -> None:
@@ -159,6 +160,25 @@ def test_sampled_run_compares_both_couplings_with_the_seeded_reference(bench_inp
     # rejection sampling keeps the distribution, not the sample: some row differs
     assert min(c["prefix_match_mean"] for c in cells if c["sampling_coupling"] == "rejection") < 1
     assert "gumbel" in (out / "results.md").read_text()
+
+
+def test_ngram_methods_on_a_shipped_prompt_set_are_exact(bench_inputs):
+    """--methods *_ngram: prompt lookup, no draft model; --prompt-set grounded: the shipped set,
+    through the chat template. Exact (this random pair seldom repeats itself, so whether it
+    proposes is left to tests/engine/test_ngram.py)."""
+    root, args = bench_inputs
+    out = root / "ngram"
+    args = list(args)
+    del args[args.index("--prompts"):args.index("--prompts") + 2]   # the set instead
+    args[args.index("--batch-sizes") + 1] = "1"
+    assert main(args + ["--max-tokens", "16", "--prompt-set", "grounded", "--methods",
+                        "autoregressive,eqspec_ngram,exspec_ngram", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    check_schema(results)
+    assert results["config"]["prompts"].endswith("grounded.jsonl")
+    ngram = [c for c in results["cells"] if c["method"].endswith("_ngram")]
+    assert {c["method"] for c in ngram} == {"eqspec_ngram", "exspec_ngram"}
+    assert all(c["exact_match_share"] == 1 for c in results["cells"])
 
 
 def test_both_decode_paths_in_one_run(bench_inputs, monkeypatch):

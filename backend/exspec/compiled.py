@@ -367,11 +367,13 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int) -> WarmUp:
     skips_before = cuda_graph_counts()["skips"] if cuda_graphs else 0
     params = SamplingParams(max_tokens=8 * (k + 1) * rounds, ignore_eos=True)   # never finishes here
     for batch in WARM_UP_ROWS:   # whole rounds (no draft stop): the k + 1 verification too
-        prompts = [[(7 * i + 3 * j + 1) % vocab_size for j in range(5 + 3 * i)] for i in range(batch)]
+        # periodic prompts, so that an n-gram proposer proposes in its first step
+        prompts = [[(7 * i + 3 * (j % 2) + 1) % vocab_size for j in range(5 + 3 * i)] for i in range(batch)]
         group = runner.new_group([make_sequence(f"warm-up-{batch}-{i}", p, params)
                                   for i, p in enumerate(prompts)])
         runner.prefill(group, [len(p) for p in prompts])
-        for step_k in warm_up_schedule(k if runner.draft is not None else 0) * rounds:
+        proposes = runner.draft is not None or runner.proposer is not None
+        for step_k in warm_up_schedule(k if proposes else 0) * rounds:
             runner.step(group, step_k)
             group.realign()
     for forward in forwards:

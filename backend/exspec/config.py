@@ -14,6 +14,7 @@ from .vllm_args import translate
 log = logging.getLogger("exspec")
 
 METHODS = ("exspec", "eqspec", "autoregressive")
+PROPOSERS = ("draft_model", "ngram")   # vLLM's speculative_config methods exspec runs
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAP_POLICIES = ("auto", "balanced", "balanced_low_0", "sequential")
 STREAM_GRANULARITIES = ("token", "step")
@@ -42,6 +43,10 @@ class EngineConfig:
     tokenizer: str | None = None          # default: the target's
     method: str = "exspec"                # exspec | eqspec | autoregressive
     num_speculative_tokens: int = 5       # k; per-request values may lower it
+    proposer: str = "draft_model"         # where proposals come from: the draft model, or
+                                          # "ngram" (prompt lookup, ngram.py: no draft model)
+    prompt_lookup_max: int = 4            # ngram: the longest suffix matched (vLLM's name)
+    prompt_lookup_min: int = 2            # ngram: the shortest
     adaptive_k: bool = True               # choose k per group from measured acceptance
     draft_stop_confidence: float | str | None = None   # adaptive k: a round of drafts ends at
                                           # a draft token its draft gives less than this; "auto":
@@ -83,8 +88,17 @@ class EngineConfig:
             raise ValueError("target_model is required")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; expected one of {', '.join(METHODS)}")
-        if self.method != "autoregressive" and not self.draft_model:
-            raise ValueError(f"method {self.method!r} needs a draft_model")
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"unknown proposer {self.proposer!r}; expected one of {', '.join(PROPOSERS)}")
+        if self.proposer == "ngram":
+            if self.draft_model:
+                raise ValueError("proposer 'ngram' proposes without a draft model; drop draft_model")
+            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+                raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy "
+                                 f"1 <= min <= max, got {self.prompt_lookup_min} and "
+                                 f"{self.prompt_lookup_max}")
+        elif self.method != "autoregressive" and not self.draft_model:
+            raise ValueError(f"method {self.method!r} needs a draft_model (or proposer 'ngram')")
         if self.sampling_coupling not in COUPLINGS:
             raise ValueError(f"unknown sampling_coupling {self.sampling_coupling!r}; expected one of "
                              f"{', '.join(COUPLINGS)} (gumbel: the speculative output equals the "

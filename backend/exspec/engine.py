@@ -24,6 +24,7 @@ from .errors import EngineBusyError, InvalidRequestError, ModelLoadError
 from .faults import Faults
 from .kv_blocks import BlockStores
 from .models import ModelPair, load_pair, model_devices
+from .ngram import NgramProposer
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
 from .pool import SequencePool, Touched
@@ -108,7 +109,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_,
                                   layout, self.faults,
                                   PaddedVocab.of(self.target, self.draft, self.tokenizer, pad_id),
-                                  config.sampling_coupling)
+                                  config.sampling_coupling, self._proposer())
         self.pool = SequencePool(config, self.runner, self.stats_)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -121,6 +122,12 @@ class LLMEngine:
         self.warm_up: compiled.WarmUp | None = None
         if not config.enforce_eager:
             self._compile_decode_path()
+
+    def _proposer(self) -> NgramProposer | None:
+        """The n-gram proposer, when it proposes instead of a draft model."""
+        if self.config.proposer != "ngram" or not self.config.speculative:
+            return None
+        return NgramProposer(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
     def _compile_decode_path(self) -> None:
         """Compile the step's forwards and run each kind once, so that READY means warm."""

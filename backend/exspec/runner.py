@@ -5,6 +5,8 @@ step = draft k tokens with the draft's own cache -> verify [pending, d1..dk] in 
 -> accept -> commit per row -> cut both caches back to I3. The acceptance rules are in sampler.py:
 greedy rows and the gumbel coupling accept while the draft's token equals the target's; the
 rejection coupling runs speculative rejection sampling.
+Proposals come from the draft model or, with no draft, from an n-gram proposer (ngram.py): then
+each row proposes its own number of tokens, and verification feeds each row only its own.
 Positions are explicit per row (I1) and the attention mask comes from the caches' validity (I2).
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .faults import Faults
 from .group import Group
 from .kv import PaddedKV
 from .logprobs import token_logprobs
+from .ngram import NgramProposer
 from .noise import gumbel
 from .sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
 from .sequence import Sequence
@@ -43,12 +46,13 @@ class StepResult:
     num_accepted: list[int]      # per row, accepted drafts (before stop truncation)
     k: int                       # drafts per row this step ran (fewer than planned if stopped)
     confidence_bins: list[list[int]] | None = None   # per row, its drafts' (with `stop`)
+    proposed: list[int] | None = None   # per row, drafts verified when rows differ (n-gram)
 
 
 class ModelRunner:
     def __init__(self, target, draft, pad_id: int, device: str, stats: Stats, kv_layout=PaddedKV,
                  faults: Faults | None = None, vocab: PaddedVocab | None = None,
-                 coupling: str = "gumbel"):
+                 coupling: str = "gumbel", proposer: NgramProposer | None = None):
         self.faults = faults or Faults(None)
         self.vocab = vocab           # set when draft and target differ by padding rows
         self.coupling = coupling     # "gumbel" or "rejection" (sampler.py)
@@ -57,6 +61,7 @@ class ModelRunner:
         self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or kv_blocks.BlockStores (EXSPEC)
         self.target = target
         self.draft = draft
+        self.proposer = proposer     # proposes instead of a draft model (then draft is None)
         self.pad_id = pad_id
         self.device = torch.device(device)
         self.stats = stats
@@ -249,7 +254,14 @@ class ModelRunner:
         round ends after that draft; with it the draft's confidences are measured and returned
         (a host read per draft token)."""
         seqs = group.seqs
-        inputs = self._upload_step_inputs(group, k)
+        proposals = None
+        if self.proposer is not None and k > 0:
+            with self.stats.timer("draft"):
+                proposals = [self.proposer.propose(s.tokens, s.drafts_at(k)) for s in seqs]
+            k = max(map(len, proposals))
+            if k == 0:   # no row found a match: a plain step
+                proposals = None
+        inputs = self._upload_step_inputs(group, k, proposals)
         rows = group.sampling
         coupled = self._coupled(rows)
         u = inputs.uniforms   # rejection sampling: one per draft token, per acceptance test, and for the final token
@@ -259,7 +271,7 @@ class ModelRunner:
         noise = self._noise(rows, start + 1, k + 1)   # gumbel: positions m .. m+k, draft and target alike
 
         draft_tokens = q = bins = None
-        if k > 0:
+        if k > 0 and proposals is None:
             with self.stats.timer("draft"):
                 draft_tokens, q, bins = self._draft(group, k, rows, u, noise, inputs.draft, start + 1,
                                                     stop if coupled else None)
@@ -269,40 +281,52 @@ class ModelRunner:
                 noise = None if noise is None else noise[:, :k + 1]
 
         with self.stats.timer("verify"):
-            num_accepted, tokens, lp = self._verify(group, k, rows, coupled, u, noise, pending,
-                                                    start, draft_tokens, q)
+            if proposals is None:
+                num_accepted, tokens, lp = self._verify(group, k, rows, coupled, u, noise, pending,
+                                                        start, draft_tokens, q)
+            else:
+                num_accepted, tokens, lp = self._verify_ragged(group, k, rows, coupled, u, noise,
+                                                               inputs.draft, caps)
             # the step's one device-to-host copy
             host = self.transfers.to_host(torch.cat([num_accepted[:, None], tokens]
                                                     + ([] if bins is None else [bins]), dim=1))
-        committed, accepted = self._commit(group, k, host, lp, torch.minimum(num_accepted, caps))
-        self._count(seqs, k, accepted, committed)
+        proposed = None if proposals is None else [len(p) for p in proposals]
+        committed, accepted = self._commit(group, k, host, lp, torch.minimum(num_accepted, caps),
+                                           proposed, caps)
+        self._count(seqs, k, accepted, committed, proposed)
         return StepResult(committed, accepted, k,
-                          None if bins is None else [row[k + 2:] for row in host])
+                          None if bins is None else [row[k + 2:] for row in host], proposed)
 
-    def _upload_step_inputs(self, group: Group, k: int) -> "StepInputs":
+    def _upload_step_inputs(self, group: Group, k: int,
+                            proposals: list[list[int]] | None = None) -> "StepInputs":
         """The step's one host-to-device copy: the draft's catch-up input after plain steps, its
         first input (what its cache lacks: 1-2 tokens per row), per row the pending token, its
         position and the row's k cap, the block table of a cache whose rows take new blocks
         this step, the rows' sampling settings when the group is new or lost rows, and
-        rejection sampling's uniforms."""
+        rejection sampling's uniforms. With `proposals` (no draft model) the first input is
+        instead the verification's: [pending, proposal] per row, left-padded, and a row's cap
+        is its proposal's length."""
         seqs = group.seqs
         upload = Upload()
         tails, starts = [[]] * len(seqs), [s.num_cached_draft for s in seqs]
         catch_up = None   # (what the draft lacks but the pending token, its section)
-        if k > 0:
+        caps = [s.drafts_at(k) for s in seqs]
+        if proposals is not None:
+            tails = [[s.pending_token] + p for s, p in zip(seqs, proposals)]
+            starts, caps = [s.num_tokens - 1 for s in seqs], [len(p) for p in proposals]
+        elif k > 0:
             tails = [s.tokens[s.num_cached_draft:] for s in seqs]
             if max(len(t) for t in tails) > 2:   # more than a first draft forward feeds anyway
                 behind = [t[:-1] for t in tails]
                 catch_up = (behind, self._stage_ragged(upload, behind, starts))
                 tails, starts = [t[-1:] for t in tails], [s.num_tokens - 1 for s in seqs]
         draft_at = self._stage_ragged(upload, tails, starts)
-        per_row = [s.pending_token for s in seqs] + [s.num_tokens - 1 for s in seqs] + [
-            s.drafts_at(k) for s in seqs]
+        per_row = [s.pending_token for s in seqs] + [s.num_tokens - 1 for s in seqs] + caps
         per_row_at = upload.add(per_row, 3, len(seqs))
         # room for what each model is fed this step: the target k + 1 per row, the draft what it
         # lacks and k - 1 more drafts
         extra = {group.target_kv: [k + 1] * len(seqs)}
-        if k > 0:
+        if k > 0 and group.draft_kv is not None:
             extra[group.draft_kv] = [s.num_tokens - s.num_cached_draft + k - 1 for s in seqs]
         tables = self._stage_tables(upload, extra)
         sampling_at = self._stage_sampling(upload, seqs) if group.sampling is None else None
@@ -329,6 +353,32 @@ class ModelRunner:
         pos = start[:, None] + torch.arange(k + 1, device=self.device)
         valid = torch.ones_like(ids, dtype=torch.bool)
         logits = self._forward(self.target, group.target_kv, ids, pos, valid, [k + 1] * len(seqs), keep=k + 1)
+        return self._accept(seqs, k, rows, coupled, u, noise, logits, draft_tokens, q)
+
+    def _verify_ragged(self, group: Group, k: int, rows: RowSampling, coupled: bool, u, noise,
+                       verify_in, proposed):
+        """One target forward over each row's own [pending, proposal] (left-padded to k + 1;
+        `proposed` [B]: each row's proposal length, on the device): a row without a proposal
+        feeds one real token, and its pads are invalid inputs, as in a ragged prefill (never
+        attended to; EXSPEC writes them to scratch, EQSPEC's realignment drops their hole).
+        Row b's logits are then shifted left by its padding, so column j is its j-th verified
+        position as in `_verify`; columns past its proposal repeat its last one and are never
+        committed, as `proposed` caps its accepted count. A proposal is a point mass: under the
+        gumbel coupling it is accepted while equal to the target's token; under rejection
+        sampling q is one-hot at the proposed token, which also makes the token drawn at the
+        cap (against a repeated filler) an exact sample of p there."""
+        ids, pos, valid, counts = verify_in
+        logits = self._forward(self.target, group.target_kv, ids, pos, valid, counts, keep=k + 1)
+        shifted = ((k - proposed)[:, None] + torch.arange(k + 1, device=self.device)).clamp_max(k)
+        logits = logits.gather(1, shifted[..., None].expand(-1, -1, logits.shape[-1]))
+        draft_tokens = ids.gather(1, shifted)[:, 1:]
+        q = None if coupled else torch.nn.functional.one_hot(draft_tokens, logits.shape[-1]).float()
+        return self._accept(group.seqs, k, rows, coupled, u, noise, logits, draft_tokens, q)
+
+    def _accept(self, seqs, k: int, rows: RowSampling, coupled: bool, u, noise, logits,
+                draft_tokens, q):
+        """The accepted draft counts [B], the step's tokens [B, k+1] and the logprobs asked for,
+        from the target's logits [B, k+1, V] at each row's verified positions."""
         if coupled:   # the target's token at every position; accept while the draft agrees
             tokens = coupled_tokens(logits, rows, noise)
             matches = draft_tokens == tokens[:, :k] if k else tokens[:, :0].bool()
@@ -341,25 +391,31 @@ class ModelRunner:
             num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
         return num_accepted, tokens, token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
 
-    def _commit(self, group: Group, k: int, host, lp, kept: torch.Tensor):
+    def _commit(self, group: Group, k: int, host, lp, kept: torch.Tensor,
+                proposed: list[int] | None = None, proposed_dev: torch.Tensor | None = None):
         """Per row: commit the accepted drafts and the bonus token (stop rules apply, I5), then
         cut both caches back to I3 on the host and, from the device's own counts (`kept`, the
-        accepted drafts within each row's cap), on the device: no copy back up."""
+        accepted drafts within each row's cap), on the device: no copy back up. `proposed`
+        (host) and `proposed_dev`: each row's own proposal length, when rows verified
+        different counts (no draft model)."""
         committed, accepted = [], []
         target_cut, draft_cut = [], []
         for row, seq in enumerate(group.seqs):
-            a = min(host[row][0], seq.drafts_at(k))
+            verified = seq.drafts_at(k) if proposed is None else proposed[row]
+            a = min(host[row][0], verified)
             m = seq.num_tokens
             accepted.append(a)
             committed.append(seq.append(host[row][1:a + 2], lp[row] and lp[row][:a + 1]))
-            target_cut.append(k - a)                       # target holds m+k, keeps m+a
+            target_cut.append((k if proposed is None else verified) - a)   # target holds m+k, keeps m+a
             seq.num_cached_target = m + a
-            if k > 0:
+            if group.draft_kv is not None and k > 0:
                 draft_cut.append(max(0, k - 1 - a))        # draft holds m+k-1, keeps <= m+a
                 seq.num_cached_draft = min(m + k - 1, m + a)
-                seq.observe_acceptance(a, k)
-        group.target_kv.drop_tail(target_cut, k - kept)
-        if k > 0:
+            shown = k if proposed is None else verified
+            if shown > 0:
+                seq.observe_acceptance(a, shown)
+        group.target_kv.drop_tail(target_cut, (k if proposed is None else proposed_dev) - kept)
+        if group.draft_kv is not None and k > 0:
             group.draft_kv.drop_tail(draft_cut, (k - 1 - kept).clamp_min(0))
         return committed, accepted
 
@@ -409,7 +465,7 @@ class ModelRunner:
         q = probs_from_logits(logits[:, None], rows)[:, 0]
         return sample(q, u), q
 
-    def _count(self, seqs, k, accepted, committed) -> None:
+    def _count(self, seqs, k, accepted, committed, proposed: list[int] | None = None) -> None:
         s = self.stats
         s.add("steps")
         s.add_step(len(seqs), k)
@@ -418,5 +474,5 @@ class ModelRunner:
         if k == 0:
             s.add("plain_steps")
         else:
-            s.add("draft_tokens", k * len(seqs))
+            s.add("draft_tokens", k * len(seqs) if proposed is None else sum(proposed))
             s.add("accepted_tokens", sum(accepted))

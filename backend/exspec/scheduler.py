@@ -155,8 +155,10 @@ class AdaptiveK:
         return choice
 
     def observe(self, batch: int, k: int, seconds: float, draft_seconds: float,
-                accepted: list[int]) -> None:
-        """A step at k took `seconds`, `draft_seconds` of them drafting."""
+                accepted: list[int], proposed: list[int] | None = None) -> None:
+        """A step at k took `seconds`, `draft_seconds` of them drafting; `proposed`: per row,
+        the drafts it verified when rows differ (n-gram), else k each. A row that proposed
+        nothing measured no depth."""
         b = self.bucket(batch)
         if k == 0:
             if b in self.rest:
@@ -164,17 +166,19 @@ class AdaptiveK:
             return
         _ema(self.rest, b, seconds - draft_seconds, self.EMA)
         _ema(self.draft, b, draft_seconds / k, self.EMA)
+        proposed = proposed or [k] * len(accepted)
         self.recent_accepted = self.DECAY * self.recent_accepted + sum(accepted)
-        self.recent_rejections = self.DECAY * self.recent_rejections + sum(a < k for a in accepted)
+        self.recent_rejections = self.DECAY * self.recent_rejections + sum(
+            a < n for a, n in zip(accepted, proposed))
         # depths beyond k measured an older regime: they fade faster than verified ones
         decays = [(self.HAZARD_DECAY if j < k else self.STALE_DECAY) ** len(accepted)
                   for j in range(self.max_k)]
         self.verified = [d * v for d, v in zip(decays, self.verified)]
         self.rejected = [d * r for d, r in zip(decays, self.rejected)]
-        for a in accepted:
-            for j in range(min(a + 1, k, self.max_k)):   # drafts 1 .. a+1 were verified
+        for a, n in zip(accepted, proposed):
+            for j in range(min(a + 1, n, self.max_k)):   # drafts 1 .. a+1 were verified
                 self.verified[j] += 1.0
-            if a < k:
+            if a < n:
                 self.rejected[a] += 1.0
 
 
@@ -188,13 +192,13 @@ class Scheduler:
     def __init__(self, config: EngineConfig, has_draft: bool, entries_for=lambda n: n,
                  allocation_for=lambda reservations, models: sum(reservations)):
         self.config = config
-        self.speculative = has_draft and config.speculative
+        self.speculative = (has_draft or config.proposer == "ngram") and config.speculative
         self.exspec = config.method == "exspec"
         self.adaptive = AdaptiveK(config.num_speculative_tokens) if (
             self.speculative and config.adaptive_k) else None
         stop = config.draft_stop   # 0: off, "auto", or a fixed confidence
         self.draft_stop = DraftStop(None if stop == "auto" else stop) if (
-            self.adaptive is not None and stop) else None
+            self.adaptive is not None and stop and has_draft) else None   # n-gram: no draft to stop
         self.entries_for = entries_for      # KV entries the layout allocates a row of n tokens
         self.allocation_for = allocation_for   # ... and a set of rows with these reservations
         self.models = 2 if has_draft else 1   # the runner prefills the draft whenever it has one
@@ -298,7 +302,8 @@ class Scheduler:
         group.k = k
         group.plain_steps_in_a_row = group.plain_steps_in_a_row + 1 if k == 0 else 0
         if self.adaptive is not None:
-            self.adaptive.observe(len(group), result.k, seconds, draft_seconds, result.num_accepted)
+            self.adaptive.observe(len(group), result.k, seconds, draft_seconds, result.num_accepted,
+                                  result.proposed)
         if self.draft_stop is not None and result.confidence_bins is not None:
             caps = [s.drafts_at(result.k) for s in group.seqs]
             self.draft_stop.observe(result.confidence_bins, result.num_accepted, caps)

@@ -36,7 +36,8 @@ NEUTRAL_ONLY = {
 # vLLM's dtype spellings; "auto" keeps exspec's default for the device (float32 on CPU).
 DTYPE_SPELLINGS = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
-SPECULATIVE_KEYS = ("model", "method", "num_speculative_tokens", "draft_tensor_parallel_size")
+SPECULATIVE_KEYS = ("model", "method", "num_speculative_tokens", "draft_tensor_parallel_size",
+                    "prompt_lookup_max", "prompt_lookup_min")
 
 
 def translate(values: dict) -> tuple[dict, list[str]]:
@@ -54,7 +55,7 @@ def translate(values: dict) -> tuple[dict, list[str]]:
             notes.append("no speculative_config: method autoregressive (the target alone)")
     if "speculative_config" in out:
         out.update(_speculative(out.pop("speculative_config"), out))
-        notes.append("speculative_config: draft_model and num_speculative_tokens set from it")
+        notes.append("speculative_config: the proposer and num_speculative_tokens set from it")
     for key, neutral in NEUTRAL_ONLY.items():
         if key in out:
             value = out.pop(key)
@@ -77,8 +78,8 @@ def translate(values: dict) -> tuple[dict, list[str]]:
 
 
 def _speculative(spec, values: dict) -> dict:
-    """vLLM's speculative_config -> exspec keys. A draft model only: the other methods
-    (n-gram, EAGLE, Medusa, MTP) are refused by name."""
+    """vLLM's speculative_config -> exspec keys. A draft model, or n-gram prompt lookup (no
+    draft model); the other methods (EAGLE, Medusa, MTP, suffix) are refused by name."""
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be an object, got {spec!r}")
     unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
@@ -86,9 +87,21 @@ def _speculative(spec, values: dict) -> dict:
         raise ValueError(f"speculative_config keys not supported by exspec: {', '.join(unknown)} "
                          f"(supported: {', '.join(SPECULATIVE_KEYS)})")
     method = spec.get("method", "draft_model")
-    if method != "draft_model":
+    if method not in ("draft_model", "ngram"):
         raise ValueError(f"speculative_config method {method!r} is not supported by exspec; "
-                         f"it speculates with a draft model (method 'draft_model' and 'model')")
+                         f"it speculates with a draft model (method 'draft_model' and 'model') "
+                         f"or by prompt lookup (method 'ngram')")
+    lookup = {key: spec[key] for key in ("prompt_lookup_max", "prompt_lookup_min") if key in spec}
+    if method == "ngram":
+        if "model" in spec or "draft_model" in values:
+            raise ValueError("speculative_config method 'ngram' proposes without a draft model; "
+                             "drop 'model'")
+        out = {"proposer": "ngram", **lookup}
+        if "num_speculative_tokens" in spec:
+            out["num_speculative_tokens"] = spec["num_speculative_tokens"]
+        return out
+    if lookup:
+        raise ValueError(f"speculative_config {', '.join(sorted(lookup))}: only for method 'ngram'")
     if spec.get("draft_tensor_parallel_size", 1) != 1:
         raise ValueError("speculative_config draft_tensor_parallel_size must be 1 in exspec")
     if not spec.get("model"):

@@ -144,9 +144,9 @@ def count_calls(engine, seen):
         seen["catch-ups"] += 1
         return catch_up(*args)
 
-    def uploading(group, k):
+    def uploading(group, k, *proposals):
         seen["sampling uploads"] += group.sampling is None and not all(s.params.greedy for s in group.seqs)
-        return upload(group, k)
+        return upload(group, k, *proposals)
 
     def merging(groups):
         seen["merges"] += 1

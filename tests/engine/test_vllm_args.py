@@ -39,6 +39,16 @@ def test_speculative_config_names_the_draft_and_k(pairs):
     assert again.draft_model == pairs["llama", "noisy"] and again.num_speculative_tokens == 5
 
 
+def test_speculative_config_ngram_proposes_without_a_draft_model(pairs):
+    config = EngineConfig.from_dict(vllm_json(pairs, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5,
+        "prompt_lookup_min": 1}))
+    assert (config.method, config.proposer, config.draft_model) == ("exspec", "ngram", None)
+    assert (config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == (3, 5, 1)
+    engine = LLMEngine(config)
+    assert engine.draft is None and engine.runner.proposer is not None
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("tensor_parallel_size", 2, "tensor_parallel_size = 2 is not supported"),
     ("quantization", "awq", "quantization = 'awq' is not supported"),
@@ -48,6 +58,10 @@ def test_speculative_config_names_the_draft_and_k(pairs):
     ("speculative_config", {"model": "x", "acceptance_method": "typical"},
      "speculative_config keys not supported by exspec: acceptance_method"),
     ("speculative_config", {"num_speculative_tokens": 3}, "speculative_config needs 'model'"),
+    ("speculative_config", {"method": "ngram", "model": "x"}, "proposes without a draft model"),
+    ("speculative_config", {"model": "x", "prompt_lookup_max": 3}, "only for method 'ngram'"),
+    ("speculative_config", {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+     "1 <= min <= max"),
     ("target_model", "x", "sets both 'model'"),
     ("gpu_memory_utilization", 1.5, r"gpu_memory_utilization must be a number in \(0, 1\]"),
     ("colour", "blue", "unknown engine config keys: colour"),

@@ -106,6 +106,11 @@ def build_repository(root: Path) -> Path:
     write_model_json(repo, "vllm_plain", vllm)
     write_model_json(repo, "vllm_spec", {**vllm, "disable_log_stats": True, "speculative_config": {
         "model": str(pairs / "exspec" / "draft"), "num_speculative_tokens": 4}})
+    # prompt lookup on the scripted target, whose output cycles: proposals are accepted
+    write_model_json(repo, "vllm_ngram", {
+        "model": str(pairs / "scripted" / "target"), "tokenizer": str(pairs / "scripted" / "tokenizer"),
+        **VLLM_SAMPLE, "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
+                                              "prompt_lookup_max": 4, "prompt_lookup_min": 2}})
     copy_unary(repo)
     return repo
 

@@ -12,7 +12,7 @@ import torch
 import tritonclient.http as httpclient
 
 from clients import generate, grpc_one, grpc_stream
-from serverkit import scrape, wait_for
+from serverkit import SCRIPT, scrape, wait_for
 
 PROMPT = "def add(a, b):"
 # What the vLLM backend answers, word for word (its CI test matches the whole message).
@@ -235,3 +235,22 @@ def test_a_vllm_model_json_serves_the_target_s_own_tokens(server, model):
     assert (drafted > 0) == (model == "vllm_spec"), drafted
     log = (server.log_path.read_text() if server.log_path else "")
     assert "disable_log_requests = True: ignored" in log
+
+
+def test_a_vllm_ngram_model_json_serves_the_target_s_own_tokens(server):
+    """speculative_config method "ngram": no draft model is loaded, prompt lookup proposes, and
+    the served greedy tokens are the target's own (the scripted model, same target, drafting
+    with its draft model)."""
+    prompt = SCRIPT + SCRIPT[:4]
+
+    def served(name):
+        call = grpc_one(server.urls["grpc"], name, prompt=prompt, stream=False,
+                        sampling={"max_tokens": 24, "ignore_eos": True}, exclude_input_in_output=True)
+        assert call.responses[0].error is None, call.responses[0].error
+        return call
+    ngram = served("vllm_ngram")
+    assert ngram.ids() == served("scripted").ids() and len(ngram.ids()) == 24
+    outputs = ngram.responses[-1].outputs
+    assert int(outputs["total_accepted_draft_tokens"][0]) > 0, "no proposal was accepted"
+    log = (server.log_path.read_text() if server.log_path else "")
+    assert "speculative_config: the proposer and num_speculative_tokens set from it" in log

@@ -56,7 +56,11 @@ from ..sampler import COUPLINGS
 from ..threads import apply_threads, choose_threads
 
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
-SPECULATIVE = ("eqspec", "exspec", "hf_assisted")
+SPECULATIVE = ("eqspec", "exspec", "eqspec_ngram", "exspec_ngram", "hf_assisted")
+DRAFTED = ("eqspec", "exspec", "hf_assisted")   # the speculative methods that need a draft model
+# prompt sets shipped with the benchmark (one user turn each, our own text): "grounded" outputs
+# repeat their input (edits, answers from a passage, repeat-with-changes), "open" ones do not
+PROMPT_SETS = Path(__file__).resolve().parent / "prompts"
 FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in range(10):\n",
                     "class Engine:\n    def __init__(self):\n", "The quick brown fox "]
 
@@ -92,7 +96,7 @@ def cell_keys(methods: list[str], batch_size: int, k: int,
                                for p in (paths if engine else ("eager",))):
             if method in ("autoregressive", "hf_generate"):
                 keys.append(CellKey(method, batch_size, 0, None, coupling, path))
-            elif method in ("eqspec", "exspec") or (method == "hf_assisted" and batch_size == 1):
+            elif method in SPECULATIVE and (method != "hf_assisted" or batch_size == 1):
                 keys.append(CellKey(method, batch_size, k, True, coupling, path))
                 ks = fixed_ks if fixed_ks and method != "hf_assisted" else [k]
                 keys += [CellKey(method, batch_size, kk, False, coupling, path) for kk in ks]
@@ -158,6 +162,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--draft", help="draft model (default: the demo pair's)")
     ap.add_argument("--tokenizer", help="tokenizer (default: the demo pair's, else the target's)")
     ap.add_argument("--prompts", type=Path, help="SpecBench JSONL (default: the demo prompts)")
+    ap.add_argument("--prompt-set", choices=("grounded", "open"),
+                    help="a prompt set shipped here instead of --prompts, each turn put through "
+                         "the tokenizer's chat template: grounded (outputs repeat the input: "
+                         "n-gram proposals pay) or open")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("-k", type=int, default=5, help="speculative tokens (max k when adaptive)")
@@ -297,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     set_up(args)
     progress = not args.no_progress
     pair = resolve_pair(args)
-    speculative_wanted = any(m in SPECULATIVE for m in args.methods)
-    if speculative_wanted and not args.draft:
+    if args.prompt_set:
+        args.prompts = PROMPT_SETS / f"{args.prompt_set}.jsonl"
+    if any(m in DRAFTED for m in args.methods) and not args.draft:
         raise SystemExit("exspec-bench: speculative methods need --draft")
 
     hf = HFModels(args)
@@ -361,6 +370,10 @@ def set_up(args):
 def usable_prompts(args, hf: HFModels) -> list[Prompt]:
     """The prompts as token ids, without those that leave no room for max_tokens and k."""
     prompts = read_prompts(args.prompts, args.num_prompts)
+    if args.prompt_set and hf.tokenizer.chat_template:
+        for p in prompts:
+            p.text = hf.tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
+                                                      add_generation_prompt=True, tokenize=False)
     room = hf.max_model_len - args.max_tokens - args.k - 1
     for p in prompts:
         p.ids = hf.tokenizer.encode(p.text, add_special_tokens=False)

@@ -14,9 +14,13 @@ import torch
 from .. import EngineConfig, LLMEngine, SamplingParams
 from ..models import DTYPES, _eos_ids, _max_positions
 
-ENGINE_METHODS = ("autoregressive", "eqspec", "exspec")
+# method -> (EngineConfig.method, EngineConfig.proposer): the *_ngram methods propose by prompt
+# lookup (ngram.py) and load no draft
+ENGINE_METHODS = {"autoregressive": ("autoregressive", "draft_model"),
+                  "eqspec": ("eqspec", "draft_model"), "exspec": ("exspec", "draft_model"),
+                  "eqspec_ngram": ("eqspec", "ngram"), "exspec_ngram": ("exspec", "ngram")}
 HF_METHODS = ("hf_generate", "hf_assisted")
-METHODS = ENGINE_METHODS + HF_METHODS
+METHODS = tuple(ENGINE_METHODS) + HF_METHODS
 
 
 @dataclass
@@ -104,22 +108,25 @@ class EngineMethod(Method):
     def __init__(self, key: CellKey, args, num_prompts: int):
         self.key = key
         self.device = args.device
+        method, proposer = ENGINE_METHODS[key.method]
+        drafted = method != "autoregressive" and proposer == "draft_model"
         self.engine = LLMEngine(EngineConfig(
-            target_model=args.target, draft_model=args.draft, tokenizer=args.tokenizer,
-            method=key.method, num_speculative_tokens=key.k, adaptive_k=bool(key.adaptive_k),
+            target_model=args.target, draft_model=args.draft if drafted else None,
+            tokenizer=args.tokenizer, method=method, proposer=proposer,
+            num_speculative_tokens=key.k, adaptive_k=bool(key.adaptive_k),
             max_batch_size=key.batch_size, max_num_seqs=max(key.batch_size, num_prompts),
             device=args.device, dtype=args.dtype, torch_threads=args.threads,
             sampling_coupling=key.coupling or "gumbel", enforce_eager=key.path == "eager"),
-            pair=self.shared_pair(args, key.method))
+            pair=self.shared_pair(args, drafted))
         self.warm_up = self.engine.warm_up   # compiled path: graphs and seconds
         self.sampling = dict(temperature=args.temperature, top_p=args.top_p)
         self.seed = args.seed
 
     @staticmethod
-    def shared_pair(args, method: str):
-        """The run's one loaded pair (None: load one), without its draft for autoregressive."""
+    def shared_pair(args, drafted: bool):
+        """The run's one loaded pair (None: load one), without its draft where none drafts."""
         pair = getattr(args, "model_pair", None)
-        if pair is None or method != "autoregressive":
+        if pair is None or drafted:
             return pair
         return dataclasses.replace(pair, draft=None)
 

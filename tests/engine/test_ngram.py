@@ -1,0 +1,242 @@
+"""The n-gram proposer (prompt lookup, no draft model): outputs equal target-only output, greedy and
+seeded, on both methods, eager and compiled; each row verifies only its own proposal, so a row
+without a match feeds the target one token; adaptive k counts only what was proposed.
+
+Random tiny targets seldom repeat themselves, so most tests use a *cyclic* target: a Llama whose
+layers barely touch the residual (scaled by LEAK) and whose head maps token x to its successor in
+a fixed permutation of short cycles. Its greedy output follows the cycles, which the proposer
+learns from the output itself; prompts walk a cycle with one token changed, so a proposal read
+from the prompt is accepted up to the change and rejected there.
+"""
+import random
+
+import pytest
+import torch
+
+from exspec import SamplingParams, compiled
+from exspec.demo.tiny import build_tokenizer, llama
+from exspec.ngram import NgramProposer
+from exspec.runner import ModelRunner
+from exspec.scheduler import AdaptiveK
+
+from enginekit import assert_equivalent, assert_seeded_equivalent, make_engine, make_prompts
+from test_transfers import assert_within_budget, audited_run
+
+CYCLE, LEAK, GAIN = 6, 0.01, 8.0
+
+
+def cyclic_target(path, vocab: int) -> list[int]:
+    """Save the cyclic target at `path`; returns each token's successor."""
+    model = llama(vocab, seed=5, layers=2, hidden=64, heads=4, kv_heads=2, max_positions=256)
+    rng = random.Random(0)
+    order = list(range(1, vocab))   # 0 is EOS: never reached
+    rng.shuffle(order)
+    successor = [0] * vocab
+    for i in range(0, len(order), CYCLE):
+        cycle = order[i:i + CYCLE]
+        for a, b in zip(cycle, cycle[1:] + cycle[:1]):
+            successor[a] = b
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(LEAK)
+            layer.mlp.down_proj.weight.mul_(LEAK)
+        embed = model.model.embed_tokens.weight
+        unit = embed / embed.norm(dim=-1, keepdim=True)
+        model.lm_head.weight.copy_(GAIN * unit[torch.tensor(successor).argsort()])
+    model.save_pretrained(path)
+    return successor
+
+
+@pytest.fixture(scope="module")
+def cyclic(pairs, tmp_path_factory):
+    path = tmp_path_factory.mktemp("cyclic") / "target"
+    successor = cyclic_target(path, len(build_tokenizer()))
+    return str(path), successor
+
+
+def walk_prompts(successor, count: int, seed: int = 0) -> list[list[int]]:
+    """A walk along a cycle with one token changed, then its first two tokens again."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        walk = [rng.randrange(1, len(successor))]
+        for _ in range(rng.randint(7, 12)):
+            walk.append(successor[walk[-1]])
+        walk[rng.randint(3, len(walk) - 2)] = rng.randrange(1, len(successor))
+        prompts.append(walk + walk[:2])
+    return prompts
+
+
+def ngram_engine(pairs, target, **overrides):
+    config = dict(target_model=target, draft_model=None, proposer="ngram", prompt_lookup_max=3,
+                  prompt_lookup_min=2, num_speculative_tokens=4)
+    return make_engine(pairs, **{**config, **overrides})
+
+
+def test_proposer_proposes_what_followed_the_latest_longest_match():
+    propose = NgramProposer(min_n=2, max_n=3).propose
+    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]   # the latest of two 3-gram matches
+    assert propose([4, 2, 3, 8, 1, 2, 3], 3) == [8, 1, 2]               # 3-grams miss, a 2-gram matches
+    assert propose([1, 2, 3, 4, 5, 6], 4) == []                          # nothing repeats
+    assert propose([5, 5, 5], 4) == [5]                                  # runs up to the end
+    assert propose([1, 2, 3, 1, 2], 0) == []
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_ngram_output_equals_target_only_greedy_and_seeded(pairs, cyclic, reference, seeded_reference,
+                                                          method, batch):
+    target, successor = cyclic
+    prompts = walk_prompts(successor, 6, seed=batch)
+    engine = ngram_engine(pairs, target, method=method, max_batch_size=batch)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24))
+    assert_equivalent(outs, prompts, [24] * len(prompts), reference, target, 256, f"{method} B={batch}")
+    greedy = engine.stats()
+    assert 0 < greedy["accepted_tokens"] < greedy["draft_tokens"], "proposals must be both kept and rejected"
+
+    params = [SamplingParams(max_tokens=24, seed=50 + i, temperature=t)
+              for i, t in enumerate([0.8, 1.0, 0.7, 1.2, 0.9, 0.8])]
+    outs = engine.generate(prompts, params)
+    rows = [(f"row {i}", p, sp, o.token_ids, True) for i, (o, p, sp) in enumerate(zip(outs, prompts, params))]
+    assert_seeded_equivalent(rows, seeded_reference, target, label=f"{method} B={batch}")
+    seeded = engine.stats()
+    assert seeded["accepted_tokens"] > greedy["accepted_tokens"], "no seeded proposal was accepted"
+    assert seeded["draft_tokens"] - seeded["accepted_tokens"] > greedy["draft_tokens"] - greedy["accepted_tokens"]
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_ragged_proposals_on_a_context_sensitive_target_match_target_greedy(pairs, reference, method):
+    """A random target (every token depends on all before it, at its position): single-token
+    matches make many proposals of every length, nearly all rejected."""
+    prompts = make_prompts(320, pairs["gpt2", "eos"], seed=21, count=8)
+    engine = ngram_engine(pairs, pairs["gpt2", "target"], method=method, prompt_lookup_min=1)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=30))
+    assert_equivalent(outs, prompts, [30] * len(prompts), reference, pairs["gpt2", "target"], 128, method)
+    assert engine.stats()["draft_tokens"] > 20
+
+
+def test_unshifted_ragged_logits_break_equivalence(pairs, cyclic, reference, monkeypatch):
+    """Negative control: read each row's verified logits from the first columns of its
+    left-padded verification instead of shifting them by its padding."""
+    original = torch.Tensor.gather
+
+    def no_shift(self, dim, index, *args, **kwargs):
+        return original(self, dim, index - index[:, :1], *args, **kwargs)
+
+    def verify_unshifted(self, *args, **kwargs):
+        monkeypatch.setattr(torch.Tensor, "gather", no_shift)
+        try:
+            return verify(self, *args, **kwargs)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "gather", original)
+
+    verify = ModelRunner._verify_ragged
+    monkeypatch.setattr(ModelRunner, "_verify_ragged", verify_unshifted)
+    target, successor = cyclic
+    prompts = walk_prompts(successor, 6, seed=4)
+    outs = ngram_engine(pairs, target, max_batch_size=4).generate(prompts, SamplingParams(max_tokens=24))
+    with pytest.raises(AssertionError, match="differs at output position"):
+        assert_equivalent(outs, prompts, [24] * len(prompts), reference, target, 256)
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_each_row_feeds_the_target_only_its_own_proposal(pairs, cyclic, method):
+    """Counted on the target's forwards: a step feeds each row its pending token and its own
+    proposal, nothing for the other rows' longer ones; a step where no row matched is plain."""
+    target, successor = cyclic
+    engine = ngram_engine(pairs, target, method=method, max_batch_size=4)
+    fed, steps = [], []   # real tokens per target step forward; per step, each row's proposal
+    forward, propose, step = engine.runner._forward, engine.runner.proposer.propose, engine.runner.step
+
+    def counting_forward(model, kv, ids, pos, valid, counts, keep, decode=True):
+        if decode:
+            fed.append(sum(counts))
+        return forward(model, kv, ids, pos, valid, counts, keep, decode=decode)
+
+    def recording_propose(tokens, k):
+        steps[-1].append(propose(tokens, k))
+        return steps[-1][-1]
+
+    def recording_step(group, k, stop=None):
+        steps.append([])
+        return step(group, k, stop)
+
+    engine.runner._forward = counting_forward
+    engine.runner.proposer.propose, engine.runner.step = recording_propose, recording_step
+    # two rows that follow the cycles (they propose) and two random ones (they seldom match)
+    prompts = walk_prompts(successor, 2) + make_prompts(320, 0, seed=3, count=8)[-2:]
+    engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert len(fed) == len(steps) == engine.stats()["steps"]
+    assert fed == [len(rows) + sum(map(len, rows)) for rows in steps]
+    assert any(min(map(len, rows)) == 0 < max(map(len, rows)) for rows in steps), \
+        "no step mixed rows with and without a match"
+    fed.clear(), steps.clear()   # random rows alone: steps where neither matched are plain
+    engine.generate(prompts[2:], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert fed == [len(rows) + sum(map(len, rows)) for rows in steps]
+    assert any(fed_here == len(rows) == 2 for fed_here, rows in zip(fed, steps)), "no step was plain"
+
+
+def test_adaptive_k_counts_only_the_depths_a_row_proposed():
+    """A row that proposed nothing is no rejection at depth 1; one that proposed 2 and kept
+    both verified depths 1-2 only."""
+    adaptive = AdaptiveK(4)
+    adaptive.observe(batch=3, k=4, seconds=1.0, draft_seconds=0.1, accepted=[4, 0, 2], proposed=[4, 0, 2])
+    assert adaptive.rejected == [0.0] * 4
+    assert adaptive.verified == [2.0, 2.0, 1.0, 1.0]
+    drafted = AdaptiveK(4)   # the draft model's rule: every row drafted k
+    drafted.observe(batch=3, k=4, seconds=1.0, draft_seconds=0.1, accepted=[4, 0, 2])
+    assert drafted.rejected[0] == 1.0 and drafted.rejected[2] == 1.0
+
+
+def test_adaptive_k_keeps_speculating_on_repeats(pairs, cyclic):
+    target, successor = cyclic
+    engine = ngram_engine(pairs, target, adaptive_k=True, max_batch_size=4)
+    engine.generate(walk_prompts(successor, 4, seed=7), SamplingParams(max_tokens=40))
+    assert engine.stats()["mean_accepted_length"] > 2.0
+
+
+@pytest.mark.parametrize("method", [pytest.param("eqspec", marks=pytest.mark.slow), "exspec"])
+def test_compiled_ngram_path_matches_target_greedy(pairs, cyclic, reference, monkeypatch, method):
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    torch._dynamo.reset()
+    target, successor = cyclic
+    prompts = walk_prompts(successor, 4, seed=9)
+    engine = ngram_engine(pairs, target, method=method, max_batch_size=3, enforce_eager=False)
+    assert engine.warm_up.graphs > 0, "nothing was compiled"
+    outs = engine.generate(prompts, SamplingParams(max_tokens=20))
+    torch._dynamo.reset()
+    assert_equivalent(outs, prompts, [20] * len(prompts), reference, target, 256, f"compiled {method}")
+    assert engine.stats()["accepted_tokens"] > 0
+
+
+def test_rejection_coupling_keeps_greedy_rows_exact_beside_sampled_ones(pairs, cyclic, reference):
+    """Under rejection sampling q is one-hot at the proposed token: a greedy row accepts exactly
+    the target's argmax, whatever the sampled rows beside it do."""
+    target, successor = cyclic
+    prompts = walk_prompts(successor, 4, seed=11)
+    params = [SamplingParams(max_tokens=20), SamplingParams(max_tokens=20, temperature=0.9, seed=1),
+              SamplingParams(max_tokens=20), SamplingParams(max_tokens=20, temperature=1.1, seed=2)]
+    engine = ngram_engine(pairs, target, sampling_coupling="rejection", max_batch_size=4)
+    outs = engine.generate(prompts, params)
+    assert all(o.error is None for o in outs)
+    assert_equivalent(outs[::2], prompts[::2], [20, 20], reference, target, 256, "rejection")
+    assert engine.stats()["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_ngram_steps_copy_once_each_way(pairs, cyclic, reference, method):
+    """Proposals are made on the host, so they ride the step's one upload with the pending
+    tokens (design: "The fast decode path"): rows arriving and leaving, greedy and sampled."""
+    target, successor = cyclic
+    prompts = walk_prompts(successor, 6, seed=13)
+    engine = ngram_engine(pairs, target, method=method, max_batch_size=4)
+    arrivals = {0: [("r0", prompts[0]), ("r1", prompts[1])], 3: [("r2", prompts[2])],
+                5: [("r3", prompts[3]), ("r4", prompts[4]), ("r5", prompts[5])]}
+    params = {f"r{i}": SamplingParams(max_tokens=8 + 3 * i, seed=i, temperature=0.9 if i % 2 else 0.0)
+              for i in range(6)}
+    outputs, finished, records, ticks = audited_run(engine, arrivals, {}, params)
+    assert_within_budget(records, ticks, f"ngram {method}:")
+    assert engine.stats()["accepted_tokens"] > 0
+    for i in range(0, 6, 2):   # the greedy rows: target-only output
+        tokens = [t for out in outputs[f"r{i}"] for t in out.new_token_ids]
+        assert tokens == reference(target, prompts[i], params[f"r{i}"].max_tokens), f"r{i}"
