@@ -10,6 +10,7 @@ import itertools
 
 import torch
 
+from .logits_processing import RowProcessing, processes_logits
 from .sampler import RowSampling
 from .sequence import Sequence
 
@@ -23,6 +24,7 @@ class Group:
         self.target_kv = target_kv
         self.draft_kv = draft_kv
         self._sampling: RowSampling | None = None
+        self._processing: RowProcessing | None = None
         self.steps = 0   # steps taken with these batched caches (a merge starts a new group)
         self.k: int | None = None        # the k of its last step (adaptive k's hysteresis)
         self.plain_steps_in_a_row = 0
@@ -35,6 +37,15 @@ class Group:
             self._sampling = RowSampling.from_params([s.params for s in self.seqs], device,
                                                      [s.seed for s in self.seqs], to_device)
         return self._sampling
+
+    def processing(self, width: int, device, to_device) -> RowProcessing | None:
+        """The rows' logits processing (None when no row asks for any), built again from the
+        host's token lists whenever they differ from what its device state has seen."""
+        if not any(processes_logits(s.params) for s in self.seqs):
+            return None
+        if self._processing is None or self._processing.lengths != [s.num_tokens for s in self.seqs]:
+            self._processing = RowProcessing(self.seqs, width, device, to_device)
+        return self._processing
 
     @property
     def equal_length(self) -> bool:
@@ -74,7 +85,7 @@ class Group:
         if len(rows) == len(self.seqs):
             return 0
         self.seqs = [self.seqs[i] for i in rows]
-        self._sampling = None
+        self._sampling = self._processing = None
         return sum(kv.select(rows) for kv in self.caches()) if rows else 0
 
     @classmethod

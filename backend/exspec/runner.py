@@ -17,6 +17,7 @@ from .draft_stop import confidence_bins
 from .faults import Faults
 from .group import Group
 from .kv import PaddedKV
+from .logits_processing import RowProcessing, processes_logits
 from .logprobs import token_logprobs
 from .noise import gumbel
 from .sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
@@ -43,6 +44,7 @@ class ModelRunner:
         self.coupling = coupling     # "gumbel" or "rejection" (sampler.py)
         # Gumbel noise covers the wider vocabulary of the two (a padded target's, say)
         self.noise_width = max(logit_rows(m) for m in (target, draft) if m is not None)
+        self.logits_width = logit_rows(target)   # the draft's logits come widened to it (vocab.py)
         self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or kv_blocks.BlockStores (EXSPEC)
         self.target = target
         self.draft = draft
@@ -155,7 +157,11 @@ class ModelRunner:
                                                [s.seed for s in seqs], self.transfers.to_device)
             index = self.transfers.ints_to_device(rows)
             logits, next_pos = logits[index], next_pos[index]
-        first, _ = self._pick(logits[:, 0], sampling, seqs, self._noise(sampling, next_pos, 1))
+        scores = logits[:, :1]
+        if any(processes_logits(s.params) for s in seqs):   # the history is the prompt alone
+            scores = RowProcessing(seqs, self.logits_width, self.device,
+                                   self.transfers.to_device).apply(scores)
+        first, _ = self._pick(scores[:, 0], sampling, seqs, self._noise(sampling, next_pos, 1))
         lp = token_logprobs(logits[:, :1], first[:, None], [s.params.logprobs for s in seqs])
         for row, (seq, token) in enumerate(zip(seqs, self.transfers.to_host(first))):
             seq.append([token], lp[row])
@@ -188,25 +194,30 @@ class ModelRunner:
         if k > 0:
             self.catch_up_draft(group)
         draft_in, pending, start, caps = self._upload_step_inputs(group, k)
+        processing = group.processing(self.logits_width, self.device, self.transfers.to_device)
         noise = self._noise(rows, start + 1, k + 1)   # gumbel: positions m .. m+k, draft and target alike
 
         draft_tokens = q = bins = None
         if k > 0:
             with self.stats.timer("draft"):
-                draft_tokens, q, bins = self._draft(group, k, rows, u, noise, draft_in, start + 1,
-                                                    stop if coupled else None)
+                draft_tokens, q, bins = self._draft(group, k, rows, processing, u, noise, draft_in,
+                                                    start + 1, stop if coupled else None)
             if draft_tokens.shape[1] < k:   # the round stopped at an unsure draft
                 self.stats.add("draft_stopped_steps")
                 k = draft_tokens.shape[1]
                 noise = None if noise is None else noise[:, :k + 1]
 
         with self.stats.timer("verify"):
-            num_accepted, tokens, lp = self._verify(group, k, rows, coupled, u, noise, pending,
-                                                    start, draft_tokens, q)
+            num_accepted, tokens, lp = self._verify(group, k, rows, processing, coupled, u, noise,
+                                                    pending, start, draft_tokens, q)
             # the step's one device-to-host copy
             host = self.transfers.to_host(torch.cat([num_accepted[:, None], tokens]
                                                     + ([] if bins is None else [bins]), dim=1))
-        committed, accepted = self._commit(group, k, host, lp, torch.minimum(num_accepted, caps))
+        lengths = [s.num_tokens for s in seqs]
+        kept = torch.minimum(num_accepted, caps)
+        committed, accepted = self._commit(group, k, host, lp, kept)
+        if processing is not None:   # the device's own committed tokens: no copy back up
+            processing.advance(tokens, kept, [m + a + 1 for m, a in zip(lengths, accepted)])
         self._count(seqs, k, accepted, committed)
         return StepResult(committed, accepted, k,
                           None if bins is None else [row[k + 2:] for row in host])
@@ -232,8 +243,8 @@ class ModelRunner:
             at += len(table[0])
         return draft_in[:4], pending, start, caps
 
-    def _verify(self, group: Group, k: int, rows: RowSampling, coupled: bool, u, noise,
-                pending, start, draft_tokens, q):
+    def _verify(self, group: Group, k: int, rows: RowSampling, processing: RowProcessing | None,
+                coupled: bool, u, noise, pending, start, draft_tokens, q):
         """One target forward over [pending, d1..dk] per row; returns the accepted draft counts
         [B], the step's tokens [B, k+1] (row b commits tokens[b, :accepted + 1]) and the
         logprobs asked for."""
@@ -242,15 +253,17 @@ class ModelRunner:
         pos = start[:, None] + torch.arange(k + 1, device=self.device)
         valid = torch.ones_like(ids, dtype=torch.bool)
         logits = self._forward(self.target, group.target_kv, ids, pos, valid, [k + 1] * len(seqs), keep=k + 1)
+        # position j's processing sees the drafts before it, as a target-only run would
+        scores = logits if processing is None else processing.apply(logits, draft_tokens)
         if coupled:   # the target's token at every position; accept while the draft agrees
-            tokens = coupled_tokens(logits, rows, noise)
+            tokens = coupled_tokens(scores, rows, noise)
             matches = draft_tokens == tokens[:, :k] if k else tokens[:, :0].bool()
             num_accepted = matches.long().cumprod(-1).sum(-1)
         elif k == 0:
             num_accepted = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
-            tokens = self._pick(logits[:, 0], rows, seqs, u=u[:, 0])[0].unsqueeze(1)
+            tokens = self._pick(scores[:, 0], rows, seqs, u=u[:, 0])[0].unsqueeze(1)
         else:
-            p = probs_from_logits(logits, rows)
+            p = probs_from_logits(scores, rows)
             num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
         return num_accepted, tokens, token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
 
@@ -276,9 +289,9 @@ class ModelRunner:
             group.draft_kv.drop_tail(draft_cut, (k - 1 - kept).clamp_min(0))
         return committed, accepted
 
-    def _draft(self, group: Group, k: int, rows: RowSampling, u: torch.Tensor | None,
-               noise: torch.Tensor | None, first_input, next_pos: torch.Tensor,
-               stop: list[float] | None = None):
+    def _draft(self, group: Group, k: int, rows: RowSampling, processing: RowProcessing | None,
+               u: torch.Tensor | None, noise: torch.Tensor | None, first_input,
+               next_pos: torch.Tensor, stop: list[float] | None = None):
         """k draft tokens per row (their distributions when sampling, and with `stop` their
         confidence bins), feeding the draft only what its cache lacks (`first_input`: ids,
         positions, validity, counts). With `stop`, maybe fewer: the round ends after draft j
@@ -289,6 +302,8 @@ class ModelRunner:
         tokens, probs, logits_seen = [], [], []
         for j in range(k):
             logits = self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)
+            if processing is not None:   # the target's rule, on the drafts so far
+                logits = processing.apply(logits, torch.stack(tokens, 1) if tokens else None, j)
             token, q = self._pick(logits[:, 0], rows, seqs, None if noise is None else noise[:, j:j + 1],
                                   None if u is None else u[:, j])
             tokens.append(token)

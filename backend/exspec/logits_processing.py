@@ -1,0 +1,164 @@
+"""vLLM's per-request logits processing, exact under speculation (design: "Logits processing").
+
+In vLLM's order: allowed_token_ids, bad_words, min_tokens and logit_bias on the raw logits, then
+repetition_penalty (prompt + output tokens: positive logits divided, negative multiplied),
+frequency_penalty (minus the count of each output token) and presence_penalty (minus once per
+output token seen), then min_p on the temperature-scaled distribution. Temperature, top-k and
+top-p stay in sampler.py, which takes these logits as its input.
+
+Every position is processed with its own history: at verification position j that is the
+prompt, the committed tokens and the drafts before j, exactly what a target-only run has there,
+so the speculative output stays the target-only output; the draft proposes under the same rule.
+The state lives on the device ([B, V] output token counts, the last tokens a bad word may start
+with), is built from the host's token lists when a group changes and is advanced after each step
+by the tokens the device itself committed: no host round trip per step.
+"""
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+NO_TOKEN = -2   # a tail slot before the row's first token: matches no bad word's prefix
+ANY_TOKEN = -1  # a bad word prefix slot left of a shorter word's prefix: matches anything
+
+
+def processes_logits(params) -> bool:
+    """Does a request ask for any processing here (vLLM's non-neutral values)?"""
+    return bool(params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
+                or params.min_p or params.min_tokens or params.logit_bias
+                or params.allowed_token_ids or params.bad_words)
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenisation of bad_words: each word as written (left-stripped) and, where that
+    differs, as it reads after a space ("Paris" and " Paris" are different tokens)."""
+    sequences = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if plain:
+            sequences.append(plain)
+        if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
+            sequences.append(spaced)
+    return sequences
+
+
+class RowProcessing:
+    """A group's processing settings and history state, on the device (one row per sequence)."""
+
+    def __init__(self, seqs, width: int, device, to_device):
+        rows = len(seqs)
+        params = [s.params for s in seqs]
+        self.lengths = [s.num_tokens for s in seqs]   # what the device state has seen, per row
+        self.width = width
+        bias = torch.zeros(rows, width)
+        stop_mask = torch.zeros(rows, width)
+        prompt_seen = torch.zeros(rows, width)
+        counts = torch.zeros(rows, width)
+        for row, (seq, p) in enumerate(zip(seqs, params)):
+            if p.allowed_token_ids:
+                bias[row] = NEG_INF
+                bias[row, p.allowed_token_ids] = 0.0
+            for token, value in (p.logit_bias or {}).items():
+                bias[row, token] += value
+            stop_mask[row, [t for t in seq.stop_ids if t < width]] = 1.0
+            prompt_seen[row, seq.tokens[:seq.num_prompt_tokens]] = 1.0
+            counts[row].index_add_(0, torch.tensor(seq.output_ids, dtype=torch.long),
+                                   torch.ones(seq.num_output_tokens))
+        per_row = torch.tensor([[p.repetition_penalty for p in params],
+                                [p.frequency_penalty for p in params],
+                                [p.presence_penalty for p in params],
+                                [1.0 if p.greedy else p.temperature for p in params],
+                                [_log_min_p(p) for p in params],
+                                [p.min_tokens for p in params],
+                                [s.num_output_tokens for s in seqs]])
+        # one copy of floats, one of ints (the bad words' tails and prefixes)
+        floats = to_device(torch.cat([bias, stop_mask, prompt_seen, counts, per_row.T], dim=1))
+        self.bias, stop_mask, prompt_seen, self.counts = floats[:, :4 * width].view(rows, 4, width).unbind(1)
+        self.counts = self.counts.contiguous()
+        self.stop_mask, self.prompt_seen = stop_mask.bool(), prompt_seen.bool()
+        (self.repetition, self.frequency, self.presence, self.temperature, self.log_min_p,
+         min_tokens, output_len) = floats[:, 4 * width:].T
+        self.min_tokens, self.output_len = min_tokens.long(), output_len.long()
+        self.uses_min_tokens = any(p.min_tokens for p in params)
+        self.uses_min_p = any(p.min_p for p in params)
+        self._bad_words(seqs, to_device)
+
+    def _bad_words(self, seqs, to_device) -> None:
+        """Each bad word as (row, prefix right-aligned in `span` slots, last token), and each
+        row's last `span` tokens: a word is banned where the history ends with its prefix."""
+        words = [(row, ids) for row, s in enumerate(seqs) for ids in s.bad_words_ids]
+        self.bad_rows = None
+        if not words:
+            return
+        span = max(len(ids) for _, ids in words) - 1
+        tails = [([NO_TOKEN] * span + s.tokens)[len(s.tokens):] if span else [] for s in seqs]
+        prefixes = [[ANY_TOKEN] * (span - len(ids) + 1) + ids[:-1] for _, ids in words]
+        flat = to_device(torch.tensor([t for tail in tails for t in tail]
+                                      + [row for row, _ in words] + [ids[-1] for _, ids in words]
+                                      + [t for prefix in prefixes for t in prefix], dtype=torch.long))
+        rows, count = len(seqs), len(words)
+        self.span = span
+        self.tail = flat[:rows * span].view(rows, span)
+        self.bad_rows, self.bad_last = flat[rows * span:].split(count)[:2]
+        self.bad_prefix = flat[rows * span + 2 * count:].view(count, span)
+
+    def apply(self, logits: torch.Tensor, drafts: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
+        """[B, T, V] logits -> processed float32 logits. Position t's history is the row's
+        tokens followed by drafts[:, :first + t] (drafts [B, D], first + T - 1 <= D)."""
+        batch, positions, vocab = logits.shape
+        x = logits.float() + self.bias[:, None, :vocab]
+        # output token counts at each position: the committed ones plus the drafts before it
+        counts = self.counts[:, None, :vocab]
+        if drafts is not None and drafts.shape[1]:
+            seen = torch.zeros(batch, drafts.shape[1] + 1, self.width, device=x.device)
+            seen[:, 1:].scatter_(2, drafts[..., None], 1.0)
+            counts = counts + seen.cumsum(1)[:, first:first + positions, :vocab]
+        if self.bad_rows is not None:
+            x = x.masked_fill(self._banned(drafts, first, positions, vocab), NEG_INF)
+        if self.uses_min_tokens:   # stop tokens held back while fewer than min_tokens are out
+            emitted = self.output_len[:, None] + first + torch.arange(positions, device=x.device)
+            held = (emitted < self.min_tokens[:, None])[..., None] & self.stop_mask[:, None, :vocab]
+            x = x.masked_fill(held, NEG_INF)
+        used = counts > 0
+        rep = self.repetition[:, None, None]
+        x = torch.where(self.prompt_seen[:, None, :vocab] | used, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - self.frequency[:, None, None] * counts - self.presence[:, None, None] * used
+        if self.uses_min_p:   # p / p_max < min_p after temperature: the gap in scaled logits
+            gap = (x - x.amax(-1, keepdim=True)) / self.temperature[:, None, None]
+            x = x.masked_fill(gap < self.log_min_p[:, None, None], NEG_INF)
+        return x
+
+    def _banned(self, drafts, first: int, positions: int, vocab: int) -> torch.Tensor:
+        """[B, T, V] bool: the last token of every bad word whose prefix ends the history."""
+        count = self.bad_rows.shape[0]
+        at = torch.arange(positions, device=self.bad_rows.device)
+        if self.span:
+            history = self.tail if drafts is None else torch.cat([self.tail, drafts], dim=1)
+            windows = history.unfold(1, self.span, 1)[self.bad_rows, first:first + positions]
+            prefix = self.bad_prefix[:, None, :]
+            match = ((windows == prefix) | (prefix == ANY_TOKEN)).all(-1)     # [N, T]
+        else:
+            match = torch.ones(count, positions, dtype=torch.bool, device=at.device)
+        hits = torch.zeros(self.counts.shape[0], positions, vocab, device=at.device)
+        index = (self.bad_rows[:, None].expand(count, positions), at.expand(count, positions),
+                 self.bad_last[:, None].expand(count, positions))
+        return hits.index_put_(index, match.float(), accumulate=True) > 0
+
+    def advance(self, tokens: torch.Tensor, kept: torch.Tensor, lengths: list[int]) -> None:
+        """After a step: row b committed tokens[b, :kept[b] + 1] (on the device); `lengths`
+        are the host's row lengths that this state now matches."""
+        committed = torch.arange(tokens.shape[1], device=tokens.device) <= kept[:, None]
+        self.counts.scatter_add_(1, tokens, committed.float())
+        self.output_len = self.output_len + kept + 1
+        if self.bad_rows is not None and self.span:
+            history = torch.cat([self.tail, tokens], dim=1)
+            self.tail = history.gather(1, (kept + 1)[:, None] + torch.arange(self.span, device=tokens.device))
+        self.lengths = lengths
+
+
+def _log_min_p(params) -> float:
+    """min_p as a bound on log(p / p_max); -inf (nothing dropped) when off or greedy."""
+    if params.greedy or not params.min_p:
+        return NEG_INF
+    return float(torch.tensor(params.min_p).log())
