@@ -15,6 +15,8 @@ by the tokens the device itself committed: no host round trip per step.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 NEG_INF = float("-inf")
@@ -161,4 +163,4 @@ def _log_min_p(params) -> float:
     """min_p as a bound on log(p / p_max); -inf (nothing dropped) when off or greedy."""
     if params.greedy or not params.min_p:
         return NEG_INF
-    return float(torch.tensor(params.min_p).log())
+    return math.log(params.min_p)

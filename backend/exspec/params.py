@@ -40,7 +40,9 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.logit_bias, dict):   # JSON (OpenAI) spells the token ids as strings
-            self.logit_bias = {_token_id(k): v for k, v in self.logit_bias.items()}
+            self.logit_bias = {_token_id(k): v for k, v in self.logit_bias.items()} or None
+        if self.bad_words == []:   # vLLM's neutral spellings: empty is absent
+            self.bad_words = None
         self.validate()
 
     @property

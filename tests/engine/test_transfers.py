@@ -57,6 +57,19 @@ def test_rejection_sampling_adds_only_its_uniforms(pairs):
     for h2d, d2h, where in steady_steps(engine, prompts, SAMPLED):
         assert h2d <= 2 and d2h <= 1, f"{h2d} up, {d2h} down: {where}"
 
+# every logits processing parameter at once (logits_processing.py): its state lives on the device
+PROCESSED = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=7, min_p=0.05,
+                           repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5,
+                           min_tokens=30, logit_bias={5: 2.0}, bad_words=["the cat"])
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_logits_processing_adds_no_copy(pairs, method):
+    engine = make_engine(pairs, method=method, num_speculative_tokens=3, max_batch_size=8)
+    prompts = make_prompts(engine.target.config.vocab_size, None, seed=3, count=4, max_len=20)
+    for h2d, d2h, where in steady_steps(engine, prompts, PROCESSED):
+        assert h2d <= 1 and d2h <= 1, f"{method}: {h2d} up, {d2h} down: {where}"
+
 
 def test_the_audit_sees_a_stray_host_read(pairs):
     """Negative control: a `bool(tensor)` slipped into the step is caught."""
