@@ -82,7 +82,10 @@ class RowProcessing:
         (self.repetition, self.frequency, self.presence, self.temperature, self.log_min_p,
          min_tokens, output_len) = floats[:, 4 * width:].T
         self.min_tokens, self.output_len = min_tokens.long(), output_len.long()
+        self.uses_bias = any(p.logit_bias or p.allowed_token_ids for p in params)
         self.uses_min_tokens = any(p.min_tokens for p in params)
+        self.uses_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        self.uses_counts = any(p.frequency_penalty or p.presence_penalty for p in params)
         self.uses_min_p = any(p.min_p for p in params)
         self._bad_words(seqs, to_device)
 
@@ -108,28 +111,40 @@ class RowProcessing:
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
         """[B, T, V] logits -> processed float32 logits. Position t's history is the row's
         tokens followed by drafts[:, :first + t] (drafts [B, D], first + T - 1 <= D)."""
-        batch, positions, vocab = logits.shape
-        x = logits.float() + self.bias[:, None, :vocab]
-        # output token counts at each position: the committed ones plus the drafts before it
-        counts = self.counts[:, None, :vocab]
-        if drafts is not None and drafts.shape[1]:
-            seen = torch.zeros(batch, drafts.shape[1] + 1, self.width, device=x.device)
-            seen[:, 1:].scatter_(2, drafts[..., None], 1.0)
-            counts = counts + seen.cumsum(1)[:, first:first + positions, :vocab]
+        positions, vocab = logits.shape[1:]
+        x = logits.float()
+        if self.uses_bias:
+            x = x + self.bias[:, None, :vocab]
         if self.bad_rows is not None:
             x = x.masked_fill(self._banned(drafts, first, positions, vocab), NEG_INF)
         if self.uses_min_tokens:   # stop tokens held back while fewer than min_tokens are out
             emitted = self.output_len[:, None] + first + torch.arange(positions, device=x.device)
             held = (emitted < self.min_tokens[:, None])[..., None] & self.stop_mask[:, None, :vocab]
             x = x.masked_fill(held, NEG_INF)
-        used = counts > 0
-        rep = self.repetition[:, None, None]
-        x = torch.where(self.prompt_seen[:, None, :vocab] | used, torch.where(x > 0, x / rep, x * rep), x)
-        x = x - self.frequency[:, None, None] * counts - self.presence[:, None, None] * used
+        if self.uses_repetition or self.uses_counts:
+            counts = self._counts(drafts, first, positions, vocab)
+            used = counts > 0
+        if self.uses_repetition:
+            rep = self.repetition[:, None, None]
+            x = torch.where(self.prompt_seen[:, None, :vocab] | used, torch.where(x > 0, x / rep, x * rep), x)
+        if self.uses_counts:
+            x = x - self.frequency[:, None, None] * counts - self.presence[:, None, None] * used
         if self.uses_min_p:   # p / p_max < min_p after temperature: the gap in scaled logits
             gap = (x - x.amax(-1, keepdim=True)) / self.temperature[:, None, None]
             x = x.masked_fill(gap < self.log_min_p[:, None, None], NEG_INF)
         return x
+
+    def _counts(self, drafts, first: int, positions: int, vocab: int) -> torch.Tensor:
+        """[B, T, V] output token counts at each position: the committed ones plus the drafts
+        before it (one scatter up to the first position, a cumulative sum after it)."""
+        counts = self.counts
+        if first:
+            counts = counts.scatter_add(1, drafts[:, :first], torch.ones_like(drafts[:, :first], dtype=counts.dtype))
+        if positions == 1:
+            return counts[:, None, :vocab]
+        later = torch.zeros(counts.shape[0], positions, self.width, device=counts.device)
+        later[:, 1:].scatter_(2, drafts[:, first:first + positions - 1, None], 1.0)
+        return (counts[:, None] + later.cumsum(1))[..., :vocab]
 
     def _banned(self, drafts, first: int, positions: int, vocab: int) -> torch.Tensor:
         """[B, T, V] bool: the last token of every bad word whose prefix ends the history."""
