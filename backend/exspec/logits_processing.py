@@ -116,7 +116,7 @@ class RowProcessing:
         if self.uses_bias:
             x = x + self.bias[:, None, :vocab]
         if self.bad_rows is not None:
-            x = x.masked_fill(self._banned(drafts, first, positions, vocab), NEG_INF)
+            x = self._ban_bad_words(x, drafts, first)
         if self.uses_min_tokens:   # stop tokens held back while fewer than min_tokens are out
             emitted = self.output_len[:, None] + first + torch.arange(positions, device=x.device)
             held = (emitted < self.min_tokens[:, None])[..., None] & self.stop_mask[:, None, :vocab]
@@ -146,21 +146,21 @@ class RowProcessing:
         later[:, 1:].scatter_(2, drafts[:, first:first + positions - 1, None], 1.0)
         return (counts[:, None] + later.cumsum(1))[..., :vocab]
 
-    def _banned(self, drafts, first: int, positions: int, vocab: int) -> torch.Tensor:
-        """[B, T, V] bool: the last token of every bad word whose prefix ends the history."""
-        count = self.bad_rows.shape[0]
-        at = torch.arange(positions, device=self.bad_rows.device)
+    def _ban_bad_words(self, x: torch.Tensor, drafts, first: int) -> torch.Tensor:
+        """-inf at the last token of every bad word whose prefix ends the history (added, so a
+        token two words ban is simply banned twice)."""
+        count, positions = self.bad_rows.shape[0], x.shape[1]
+        at = torch.arange(positions, device=x.device)
         if self.span:
             history = self.tail if drafts is None else torch.cat([self.tail, drafts], dim=1)
             windows = history.unfold(1, self.span, 1)[self.bad_rows, first:first + positions]
             prefix = self.bad_prefix[:, None, :]
             match = ((windows == prefix) | (prefix == ANY_TOKEN)).all(-1)     # [N, T]
         else:
-            match = torch.ones(count, positions, dtype=torch.bool, device=at.device)
-        hits = torch.zeros(self.counts.shape[0], positions, vocab, device=at.device)
+            match = torch.ones(count, positions, dtype=torch.bool, device=x.device)
         index = (self.bad_rows[:, None].expand(count, positions), at.expand(count, positions),
                  self.bad_last[:, None].expand(count, positions))
-        return hits.index_put_(index, match.float(), accumulate=True) > 0
+        return x.index_put(index, torch.where(match, NEG_INF, 0.0), accumulate=True)
 
     def advance(self, tokens: torch.Tensor, kept: torch.Tensor, lengths: list[int]) -> None:
         """After a step: row b committed tokens[b, :kept[b] + 1] (on the device); `lengths`
