@@ -7,8 +7,6 @@ and more k are slow.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import pytest
 import torch
 
@@ -53,21 +51,18 @@ def _contains(seq, part) -> bool:
     return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
 
 
-@lru_cache(maxsize=None)
-def _engine(pairs_key, method, batch, k):
-    pairs = _PAIRS[pairs_key]
-    arch = pairs_key[1]
-    return make_engine(pairs, arch, "noisy", method=method, num_speculative_tokens=k,
-                       max_batch_size=batch, max_num_seqs=16)
+@pytest.fixture(scope="module")
+def engines(pairs):
+    """engines(arch, method, batch, k): one engine per cell, built once for the module."""
+    built = {}
 
-
-_PAIRS = {}
-
-
-def engine_for(pairs, arch, method, batch, k=4):
-    key = (id(pairs), arch)
-    _PAIRS[key] = pairs
-    return _engine(key, method, batch, k)
+    def get(arch, method, batch, k=4):
+        if (arch, method, batch, k) not in built:
+            built[arch, method, batch, k] = make_engine(
+                pairs, arch, "noisy", method=method, num_speculative_tokens=k,
+                max_batch_size=batch, max_num_seqs=16)
+        return built[arch, method, batch, k]
+    return get
 
 
 def sampled(values: dict, seed: int) -> dict:
@@ -80,10 +75,10 @@ def run(engine, prompts, params_list) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-def check_exact(pairs, arch, method, batch, k, seeded: bool):
+def check_exact(engines, pairs, arch, method, batch, k, seeded: bool):
     """Every parameter, every prompt: speculative == autoregressive, and the parameter changes
     the output of at least one prompt."""
-    tokenizer = engine_for(pairs, arch, "autoregressive", 1).tokenizer
+    tokenizer = engines(arch, "autoregressive", 1).tokenizer
     eos = pairs[arch, "eos"]
     prompts = make_prompts(320, eos, seed=batch * 10 + k, count=PROMPTS, max_len=12)
     seed = 1000 if seeded else None
@@ -91,14 +86,14 @@ def check_exact(pairs, arch, method, batch, k, seeded: bool):
     def params(values, i):
         return SamplingParams(max_tokens=MAX_TOKENS, **sampled(values, seed and seed + i))
 
-    reference = engine_for(pairs, arch, "autoregressive", 1)
+    reference = engines(arch, "autoregressive", 1)
     off = run(reference, prompts, [params({}, i) for i in range(PROMPTS)])
     cases = case_values(tokenizer, eos, off)
     rows = [(name, i) for name in cases for i in range(PROMPTS)]
     all_params = [params(cases[name], i) for name, i in rows]
     all_prompts = [prompts[i] for _, i in rows]
     expected = run(reference, all_prompts, all_params)
-    got = run(engine_for(pairs, arch, method, batch, k), all_prompts, all_params)
+    got = run(engines(arch, method, batch, k), all_prompts, all_params)
     for j, (name, i) in enumerate(rows):
         at = first_difference(got[j], expected[j])
         assert at is None, (f"{method} B={batch} k={k} {'seeded' if seeded else 'greedy'} "
@@ -110,25 +105,25 @@ def check_exact(pairs, arch, method, batch, k, seeded: bool):
             assert not changed, "min_p changed a greedy output"
         else:
             assert changed, f"{name}={cases[name]} changes no output: the case tests nothing"
-    stats = engine_for(pairs, arch, method, batch, k).stats()
+    stats = engines(arch, method, batch, k).stats()
     assert stats["accepted_tokens"] > 0, "the drafts were never accepted: the draft proposes under another rule"
 
 
 @pytest.mark.parametrize("method,batch,seeded", [
     ("eqspec", 4, False), ("eqspec", 4, True), ("exspec", 4, False), ("exspec", 4, True),
     ("exspec", 1, True), pytest.param("exspec", 1, False, marks=pytest.mark.slow)])
-def test_processing_is_exact_under_speculation(pairs, method, batch, seeded):
-    check_exact(pairs, "llama", method, batch, 4, seeded)
+def test_processing_is_exact_under_speculation(engines, pairs, method, batch, seeded):
+    check_exact(engines, pairs, "llama", method, batch, 4, seeded)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("method,batch,k", [("eqspec", 1, 2), ("eqspec", 4, 7), ("exspec", 4, 1)])
-def test_processing_is_exact_on_gpt2_and_other_k(pairs, method, batch, k, seeded):
-    check_exact(pairs, "gpt2", method, batch, k, seeded)
+def test_processing_is_exact_on_gpt2_and_other_k(engines, pairs, method, batch, k, seeded):
+    check_exact(engines, pairs, "gpt2", method, batch, k, seeded)
 
 
-def test_ignoring_the_drafts_in_the_history_breaks_exactness(pairs, monkeypatch):
+def test_ignoring_the_drafts_in_the_history_breaks_exactness(engines, pairs, monkeypatch):
     """Negative control: verification positions processed with the committed history alone (the
     drafts before each position left out) give other tokens than the target alone."""
     apply = RowProcessing.apply
@@ -138,12 +133,12 @@ def test_ignoring_the_drafts_in_the_history_breaks_exactness(pairs, monkeypatch)
 
     monkeypatch.setattr(RowProcessing, "apply", committed_only)
     with pytest.raises(AssertionError, match="differs at output position"):
-        check_exact(pairs, "llama", "exspec", 4, 4, seeded=False)
+        check_exact(engines, pairs, "llama", "exspec", 4, 4, seeded=False)
 
 
-def test_bad_words_tokenised_as_vllm_does(pairs):
+def test_bad_words_tokenised_as_vllm_does(engines):
     """Each word left-stripped, and again after a space when that gives other ids of the same length."""
-    tokenizer = engine_for(pairs, "llama", "autoregressive", 1).tokenizer
+    tokenizer = engines("llama", "autoregressive", 1).tokenizer
     plain = tokenizer.encode("the", add_special_tokens=False)
     spaced = tokenizer.encode(" the", add_special_tokens=False)
     expected = [plain] + ([spaced] if len(spaced) == len(plain) and spaced[0] != plain[0] else [])
@@ -167,8 +162,8 @@ def test_out_of_range_values_are_refused_in_vllms_words(values, message):
     assert message in str(err.value)
 
 
-def test_token_ids_outside_the_vocabulary_are_refused(pairs):
-    engine = engine_for(pairs, "llama", "autoregressive", 1)
+def test_token_ids_outside_the_vocabulary_are_refused(engines):
+    engine = engines("llama", "autoregressive", 1)
     with pytest.raises(InvalidRequestError, match=r"token_id\(s\) \[5000\] in logit_bias contain out-of-vocab"):
         engine.add_request("a", [1, 2], SamplingParams(logit_bias={5000: 1.0}))
     with pytest.raises(InvalidRequestError, match="allowed_token_ids contains out-of-vocab token id!"):
