@@ -100,6 +100,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}.")
+        if self.min_tokens and self.stop:   # refused rather than served unlike vLLM
+            bad("min_tokens with stop strings is not supported: vLLM ignores stop strings until "
+                "min_tokens tokens are out, exspec would stop at them; send one or the other")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                     _is_int(t) and t >= 0 and _is_real(v) and math.isfinite(v)

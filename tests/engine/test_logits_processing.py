@@ -155,6 +155,7 @@ def test_bad_words_tokenised_as_vllm_does(engines):
     (dict(allowed_token_ids=[]), "allowed_token_ids is not None and empty!"),
     (dict(logit_bias={"x": 1.0}), "logit_bias must map token ids"),
     (dict(bad_words=[""]), "bad_words must be a list of non-empty strings"),
+    (dict(min_tokens=2, stop=["x"]), "min_tokens with stop strings is not supported"),
 ])
 def test_out_of_range_values_are_refused_in_vllms_words(values, message):
     with pytest.raises(InvalidRequestError) as err:
