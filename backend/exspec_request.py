@@ -25,23 +25,24 @@ FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason",
                "return_cumulative_logprob")
 
 _INT, _FLOAT, _BOOL, _STRS, _INTS = "integer", "number", "boolean", "strings", "integers"
+_BIAS = "token id -> number"
 SAMPLING_KEYS = {
     "max_tokens": _INT, "temperature": _FLOAT, "top_p": _FLOAT, "top_k": _INT, "seed": _INT,
     "stop": _STRS, "stop_token_ids": _INTS, "ignore_eos": _BOOL,
     "num_speculative_tokens": _INT, "logprobs": _INT,
+    "repetition_penalty": _FLOAT, "frequency_penalty": _FLOAT, "presence_penalty": _FLOAT,
+    "min_p": _FLOAT, "min_tokens": _INT, "logit_bias": _BIAS, "allowed_token_ids": _INTS,
+    "bad_words": _STRS,
 }
 # vLLM SamplingParams keys exspec does not implement, at the value that leaves vLLM's output
 # unchanged. vLLM backend clients send them at that value (Triton's OpenAI frontend always sends
 # n, frequency_penalty and presence_penalty; older releases best_of), so those are accepted and
 # ignored; any other value is refused. None: only absent or empty (null, [], {}, "") is neutral.
 NEUTRAL_KEYS = {
-    "n": (_INT, 1), "best_of": (_INT, 1), "min_tokens": (_INT, 0),
-    "frequency_penalty": (_FLOAT, 0.0), "presence_penalty": (_FLOAT, 0.0),
-    "repetition_penalty": (_FLOAT, 1.0), "min_p": (_FLOAT, 0.0), "length_penalty": (_FLOAT, 1.0),
+    "n": (_INT, 1), "best_of": (_INT, 1), "length_penalty": (_FLOAT, 1.0),
     "use_beam_search": (_BOOL, False), "early_stopping": (_BOOL, False),
     "include_stop_str_in_output": (_BOOL, False), "skip_special_tokens": (_BOOL, True),
     "spaces_between_special_tokens": (_BOOL, True), "detokenize": (_BOOL, True),
-    "logit_bias": (None, None), "bad_words": (None, None), "allowed_token_ids": (None, None),
     "prompt_logprobs": (None, None), "truncate_prompt_tokens": (None, None),
     "logits_processors": (None, None), "guided_decoding": (None, None),
     "structured_outputs": (None, None), "lora_name": (None, None),
@@ -265,6 +266,12 @@ def coerce(key: str, value):
         return _parse_int(key, value)
     if kind == _FLOAT:
         return _parse_float(key, value)
+    if kind == _BIAS:
+        if isinstance(value, str) and value.strip().startswith("{"):
+            value = _json(key, value.strip(), dict)
+        if not isinstance(value, dict):
+            raise InvalidRequestError(f"{key} must map token ids to numbers, got {value!r}")
+        return {_parse_int(key, token): _parse_float(key, bias) for token, bias in value.items()}
     if kind == _STRS:
         if isinstance(value, str):
             if value.lstrip().startswith("["):
@@ -332,11 +339,17 @@ def _parse_float(key: str, value) -> float:
 
 
 def _json_list(key: str, text: str) -> list:
+    return _json(key, text, list)
+
+
+def _json(key: str, text: str, kind: type):
+    """A JSON list or object sent as a string."""
+    what = "list" if kind is list else "object"
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
-        raise InvalidRequestError(f"{key}: {text[:100]!r} looks like a JSON list but does not "
+        raise InvalidRequestError(f"{key}: {text[:100]!r} looks like a JSON {what} but does not "
                                   "parse") from None
-    if not isinstance(value, list):
-        raise InvalidRequestError(f"{key} must be a list, got {text[:100]!r}")
+    if not isinstance(value, kind):
+        raise InvalidRequestError(f"{key} must be a {what}, got {text[:100]!r}")
     return value

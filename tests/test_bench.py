@@ -256,3 +256,18 @@ def test_interleaved_methods_take_turns_and_each_is_timed_alone(monkeypatch):
     assert [r.seconds for r in runs] == [6.0, 0.75]
     assert [r.outputs for r in runs] == [[[3]], [[2]]]
     assert a.run([], 4).seconds == 6.0   # alone: the same units, the same sum
+
+
+def test_processing_bench_times_both_cells_in_one_table(capsys):
+    """`python -m exspec.bench.processing` on the demo pair: one row per method and batch size,
+    the sampled cell and the same cell with every processing parameter, and their ratio."""
+    import torch
+    from exspec.bench.processing import main as processing_main
+    threads = torch.get_num_threads()
+    try:
+        processing_main(["--steps", "2", "--batch-sizes", "2", "--methods", "exspec", "-k", "2"])
+    finally:
+        torch.set_num_threads(threads)   # the bench sets one thread; the session keeps its own
+    out = capsys.readouterr().out
+    assert "torch threads: 1" in out
+    assert re.search(r"^\| exspec \| 2( \| [\d.]+){5} \|$", out, re.M), out

@@ -22,6 +22,7 @@ from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .errors import EngineBusyError, InvalidRequestError, ModelLoadError
 from .faults import Faults
+from .logits_processing import bad_words_token_ids
 from .kv_blocks import BlockStores
 from .models import ModelPair, load_pair, model_devices
 from .ngram import NgramProposer
@@ -159,6 +160,7 @@ class LLMEngine:
         """Queue a request; raises InvalidRequestError or EngineBusyError at once."""
         params = params or SamplingParams()
         params.validate()
+        params.check_token_ids(self.target.get_output_embeddings().weight.shape[0])
         prompt_ids = self._prompt_ids(prompt)
         max_tokens = params.max_tokens or self.config.default_max_tokens
         if max_tokens > self.config.max_output_tokens:
@@ -208,7 +210,8 @@ class LLMEngine:
         return Sequence(request_id, prompt_ids, params, max_tokens or params.max_tokens,
                         self.max_model_len, self.eos_ids,
                         Detokenizer(self.tokenizer, params.stop, start=len(prompt_ids)),
-                        seed, self.config.sampling_coupling)
+                        seed, self.config.sampling_coupling,
+                        bad_words_token_ids(self.tokenizer, params.bad_words or []))
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -10,6 +10,7 @@ import itertools
 
 import torch
 
+from .logits_processing import RowProcessing
 from .sampler import RowSampling
 from .sequence import Sequence
 
@@ -22,9 +23,11 @@ class Group:
         self.seqs = seqs
         self.target_kv = target_kv
         self.draft_kv = draft_kv
-        # the rows' sampling settings on the device: set by the runner from the upload of the
-        # first prefill or step that needs them, None again when the rows change
+        # the rows' sampling settings and logits processing state on the device: set by the
+        # runner from the upload of the first prefill or step that needs them, None again when
+        # the rows change
         self.sampling: RowSampling | None = None
+        self.processing: RowProcessing | None = None
         self.steps = 0   # steps taken with these batched caches (a merge starts a new group)
         self.k: int | None = None        # the k of its last step (adaptive k's hysteresis)
         self.plain_steps_in_a_row = 0
@@ -70,7 +73,7 @@ class Group:
         if len(rows) == len(self.seqs):
             return 0
         self.seqs = [self.seqs[i] for i in rows]
-        self.sampling = None
+        self.sampling = self.processing = None
         return sum(kv.select(rows) for kv in self.caches()) if rows else 0
 
     @classmethod

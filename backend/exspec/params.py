@@ -8,6 +8,7 @@ from .errors import InvalidRequestError
 
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64
 MAX_LOGPROBS = 20   # vLLM's default max_logprobs
+MAX_LOGIT_BIAS, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 1024, 64, 256
 
 
 @dataclass
@@ -25,10 +26,23 @@ class SamplingParams:
     # the target (raw, before temperature / top-k / top-p), plus its N most likely tokens
     logprobs: int | None = None
     text_per_token: bool = False        # RequestOutput.token_texts: each new token's own text
+    # vLLM's logits processing (logits_processing.py), with vLLM's names, defaults and meanings
+    repetition_penalty: float = 1.0     # prompt + output tokens: logit / p if > 0, else logit * p
+    frequency_penalty: float = 0.0      # output tokens: minus this times the token's count
+    presence_penalty: float = 0.0       # output tokens: minus this once the token has appeared
+    min_p: float = 0.0                  # drop tokens below min_p times the top probability
+    min_tokens: int = 0                 # EOS and stop_token_ids held back until this many are out
+    logit_bias: dict[int, float] | None = None   # token id -> added to its raw logit
+    allowed_token_ids: list[int] | None = None   # only these tokens may be chosen
+    bad_words: list[str] | None = None  # words never generated (vLLM's tokenisation)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.logit_bias, dict):   # JSON (OpenAI) spells the token ids as strings
+            self.logit_bias = {_token_id(k): v for k, v in self.logit_bias.items()} or None
+        if self.bad_words == []:   # vLLM's neutral spellings: empty is absent
+            self.bad_words = None
         self.validate()
 
     @property
@@ -64,9 +78,67 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (how many of the most likely "
                 f"tokens to return beside the chosen one), got {self.logprobs!r}")
+        self._validate_processing(bad)
         if self.num_speculative_tokens is not None and (
                 not _is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 0):
             bad(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
+
+    def _validate_processing(self, bad) -> None:
+        """vLLM's ranges and, where vLLM has one, its message; token ids against the vocabulary
+        are checked by the engine, which knows it."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                bad(f"{name} must be in [-2, 2], got {value!r}.")
+        if not _is_real(self.repetition_penalty) or not (
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            bad(f"repetition_penalty must be greater than zero, got {self.repetition_penalty!r}.")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}.")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            bad(f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}.")
+        if self.min_tokens and self.stop:   # refused rather than served unlike vLLM
+            bad("min_tokens with stop strings is not supported: vLLM ignores stop strings until "
+                "min_tokens tokens are out, exspec would stop at them; send one or the other")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(t) and t >= 0 and _is_real(v) and math.isfinite(v)
+                    for t, v in self.logit_bias.items()):
+                bad("logit_bias must map token ids (integers >= 0) to finite numbers")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad(f"logit_bias allows at most {MAX_LOGIT_BIAS} token ids")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not all(
+                    _is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                bad("allowed_token_ids must be a list of non-negative integers")
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids is not None and empty!")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                bad("bad_words must be a list of non-empty strings")
+            if len(self.bad_words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+                bad(f"bad_words allows at most {MAX_BAD_WORDS} words of at most "
+                    f"{MAX_BAD_WORD_CHARS} characters each")
+
+    def check_token_ids(self, vocab: int) -> None:
+        """Token ids the request names must exist in the model's vocabulary of `vocab` ids."""
+        outside = sorted(t for t in (self.logit_bias or {}) if t >= vocab)
+        if outside:
+            raise InvalidRequestError(f"token_id(s) {outside} in logit_bias contain out-of-vocab "
+                                      f"token ids. Vocabulary size: {vocab}")
+        if any(t >= vocab for t in self.allowed_token_ids or ()):
+            raise InvalidRequestError("allowed_token_ids contains out-of-vocab token id!")
+
+
+def _token_id(key):
+    """A logit_bias key: an int, or its decimal spelling; anything else stays for validate()."""
+    if isinstance(key, str) and key.strip().lstrip("+").isdigit():
+        return int(key)
+    return key
 
 
 def _is_int(value) -> bool:

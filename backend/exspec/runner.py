@@ -19,6 +19,7 @@ from .draft_stop import confidence_bins
 from .faults import Faults
 from .group import Group
 from .kv import PaddedKV
+from .logits_processing import RowProcessing, processes_logits
 from .logprobs import token_logprobs
 from .ngram import NgramProposer
 from .noise import gumbel
@@ -58,6 +59,7 @@ class ModelRunner:
         self.coupling = coupling     # "gumbel" or "rejection" (sampler.py)
         # Gumbel noise covers the wider vocabulary of the two (a padded target's, say)
         self.noise_width = max(logit_rows(m) for m in (target, draft) if m is not None)
+        self.logits_width = logit_rows(target)   # the draft's logits come widened to it (vocab.py)
         self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or kv_blocks.BlockStores (EXSPEC)
         self.target = target
         self.draft = draft
@@ -113,6 +115,12 @@ class ModelRunner:
         """The rows' sampling settings as a section (None when all are greedy: none to send)."""
         columns = RowSampling.host_columns([s.params for s in seqs], [s.seed for s in seqs])
         return None if columns is None else upload.add(columns, RowSampling.COLUMNS, len(seqs))
+
+    def _stage_processing(self, upload: Upload, seqs: list[Sequence]) -> dict | None:
+        """The rows' logits processing as sections (None when no row asks for any)."""
+        if not any(processes_logits(s.params) for s in seqs):
+            return None
+        return RowProcessing.stage(upload, seqs, self.logits_width)
 
     @staticmethod
     def _sampling_sent(sent: list[torch.Tensor], at: int | None, seqs: list[Sequence]) -> RowSampling:
@@ -214,7 +222,7 @@ class ModelRunner:
         sampling = None if (whole and group.sampling is not None) else self._stage_sampling(upload, seqs)
         index = None if whole else upload.add(rows, len(rows))
         u = None if self._coupled_params(seqs) else self._stage_uniforms(upload, seqs, 1)
-        return sampling, index, u
+        return sampling, index, u, self._stage_processing(upload, seqs)
 
     def _first_tokens(self, group: Group, logits: torch.Tensor, rows: list[int],
                       next_pos: torch.Tensor, staged, sent: list[torch.Tensor]) -> None:
@@ -222,7 +230,7 @@ class ModelRunner:
         (next_pos [B]: each row's next position, on the device; `staged`: the sections of
         `_stage_first_tokens` in `sent`)."""
         seqs = [group.seqs[i] for i in rows]
-        sampling_at, index_at, u_at = staged
+        sampling_at, index_at, u_at, processing_at = staged
         if index_at is None:   # every row: the group's settings, kept for its steps
             if group.sampling is None:
                 group.sampling = self._sampling_sent(sent, sampling_at, seqs)
@@ -231,7 +239,10 @@ class ModelRunner:
             sampling = self._sampling_sent(sent, sampling_at, seqs)
             logits, next_pos = logits[sent[index_at]], next_pos[sent[index_at]]
         u = None if u_at is None else floats_from_bits(sent[u_at])[:, 0]
-        first, _ = self._pick(logits[:, 0], sampling, self._noise(sampling, next_pos, 1), u)
+        scores = logits[:, :1]
+        if processing_at is not None:   # the history is the prompt alone
+            scores = RowProcessing(sent, processing_at, seqs, self.logits_width).apply(scores)
+        first, _ = self._pick(scores[:, 0], sampling, self._noise(sampling, next_pos, 1), u)
         lp = token_logprobs(logits[:, :1], first[:, None], [s.params.logprobs for s in seqs])
         for row, (seq, token) in enumerate(zip(seqs, self.transfers.to_host(first))):
             seq.append([token], lp[row])
@@ -291,8 +302,11 @@ class ModelRunner:
             host = self.transfers.to_host(torch.cat([num_accepted[:, None], tokens]
                                                     + ([] if bins is None else [bins]), dim=1))
         proposed = None if proposals is None else [len(p) for p in proposals]
-        committed, accepted = self._commit(group, k, host, lp, torch.minimum(num_accepted, caps),
-                                           proposed, caps)
+        lengths = [s.num_tokens for s in seqs]
+        kept = torch.minimum(num_accepted, caps)
+        committed, accepted = self._commit(group, k, host, lp, kept, proposed, caps)
+        if group.processing is not None:   # the device's own committed tokens: no copy back up
+            group.processing.advance(tokens, kept, [m + a + 1 for m, a in zip(lengths, accepted)])
         self._count(seqs, k, accepted, committed, proposed)
         return StepResult(committed, accepted, k,
                           None if bins is None else [row[k + 2:] for row in host], proposed)
@@ -330,12 +344,17 @@ class ModelRunner:
             extra[group.draft_kv] = [s.num_tokens - s.num_cached_draft + k - 1 for s in seqs]
         tables = self._stage_tables(upload, extra)
         sampling_at = self._stage_sampling(upload, seqs) if group.sampling is None else None
+        if group.processing is not None and group.processing.lengths != [s.num_tokens for s in seqs]:
+            group.processing = None   # a row's history moved on without it (a first token)
+        processing_at = self._stage_processing(upload, seqs) if group.processing is None else None
         coupled = self._coupled_params(seqs)
         u_at = None if coupled else self._stage_uniforms(upload, seqs, 2 * k + 1)
         sent = upload.send(self.transfers)
 
         if group.sampling is None:
             group.sampling = self._sampling_sent(sent, sampling_at, seqs)
+        if processing_at is not None:
+            group.processing = RowProcessing(sent, processing_at, seqs, self.logits_width)
         columns = sent[per_row_at]
         self._use_tables(tables, sent)
         return StepInputs(
@@ -353,7 +372,7 @@ class ModelRunner:
         pos = start[:, None] + torch.arange(k + 1, device=self.device)
         valid = torch.ones_like(ids, dtype=torch.bool)
         logits = self._forward(self.target, group.target_kv, ids, pos, valid, [k + 1] * len(seqs), keep=k + 1)
-        return self._accept(seqs, k, rows, coupled, u, noise, logits, draft_tokens, q)
+        return self._accept(group, k, rows, coupled, u, noise, logits, draft_tokens, q)
 
     def _verify_ragged(self, group: Group, k: int, rows: RowSampling, coupled: bool, u, noise,
                        verify_in, proposed):
@@ -373,21 +392,24 @@ class ModelRunner:
         logits = logits.gather(1, shifted[..., None].expand(-1, -1, logits.shape[-1]))
         draft_tokens = ids.gather(1, shifted)[:, 1:]
         q = None if coupled else torch.nn.functional.one_hot(draft_tokens, logits.shape[-1]).float()
-        return self._accept(group.seqs, k, rows, coupled, u, noise, logits, draft_tokens, q)
+        return self._accept(group, k, rows, coupled, u, noise, logits, draft_tokens, q)
 
-    def _accept(self, seqs, k: int, rows: RowSampling, coupled: bool, u, noise, logits,
+    def _accept(self, group: Group, k: int, rows: RowSampling, coupled: bool, u, noise, logits,
                 draft_tokens, q):
         """The accepted draft counts [B], the step's tokens [B, k+1] and the logprobs asked for,
         from the target's logits [B, k+1, V] at each row's verified positions."""
+        seqs, processing = group.seqs, group.processing
+        # position j's processing sees the drafts before it, as a target-only run would
+        scores = logits if processing is None else processing.apply(logits, draft_tokens)
         if coupled:   # the target's token at every position; accept while the draft agrees
-            tokens = coupled_tokens(logits, rows, noise)
+            tokens = coupled_tokens(scores, rows, noise)
             matches = draft_tokens == tokens[:, :k] if k else tokens[:, :0].bool()
             num_accepted = matches.long().cumprod(-1).sum(-1)
         elif k == 0:
             num_accepted = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
-            tokens = self._pick(logits[:, 0], rows, u=u[:, 0])[0].unsqueeze(1)
+            tokens = self._pick(scores[:, 0], rows, u=u[:, 0])[0].unsqueeze(1)
         else:
-            p = probs_from_logits(logits, rows)
+            p = probs_from_logits(scores, rows)
             num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
         return num_accepted, tokens, token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
 
@@ -432,6 +454,8 @@ class ModelRunner:
         tokens, probs, logits_seen = [], [], []
         for j in range(k):
             logits = self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)
+            if group.processing is not None:   # the target's rule, on the drafts so far
+                logits = group.processing.apply(logits, torch.stack(tokens, 1) if tokens else None, j)
             token, q = self._pick(logits[:, 0], rows, None if noise is None else noise[:, j:j + 1],
                                   None if u is None else u[:, j])
             tokens.append(token)

@@ -15,7 +15,7 @@ from .params import SamplingParams
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_tokens: int, max_model_len: int, eos_ids: set[int], detokenizer: Detokenizer,
-                 seed: int, coupling: str = "gumbel"):
+                 seed: int, coupling: str = "gumbel", bad_words_ids: list[list[int]] = ()):
         self.request_id = request_id
         self.params = params
         self.tokens: list[int] = list(prompt_ids)   # prompt + committed output
@@ -23,6 +23,7 @@ class Sequence:
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
+        self.bad_words_ids = list(bad_words_ids)   # params.bad_words as token sequences
         self.detokenizer = detokenizer
         # Entries each model's KV cache holds for this sequence (I3: all but the pending token;
         # the draft may lag one more after a fully accepted step, caught up by its next draft).

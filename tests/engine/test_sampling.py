@@ -38,8 +38,9 @@ def small_vocab_pair(tmp_path_factory, pairs):
     return str(root / "target"), str(root / "draft"), pairs["tokenizer"]
 
 
-def target_joint(target_path, vocab: int = VOCAB) -> torch.Tensor:
-    """P(t1, t2, t3 | prompt) under the same temperature / top-k / top-p transform."""
+def target_joint(target_path, vocab: int = VOCAB, penalties: dict | None = None) -> torch.Tensor:
+    """P(t1, t2, t3 | prompt) under the same temperature / top-k / top-p transform (after
+    vLLM's repetition / frequency / presence penalties, written out here, when given)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     sp = SamplingParams(**PARAMS)
@@ -47,6 +48,8 @@ def target_joint(target_path, vocab: int = VOCAB) -> torch.Tensor:
     def dist(prefixes):
         with torch.no_grad():
             logits = model(input_ids=torch.tensor(prefixes)).logits[:, -1:]
+        if penalties:
+            logits = torch.stack([penalized(row, prefix, **penalties) for row, prefix in zip(logits, prefixes)])
         rows = RowSampling.from_params([sp] * len(prefixes), "cpu")
         return probs_from_logits(logits, rows)[:, 0].double()
 
@@ -56,14 +59,23 @@ def target_joint(target_path, vocab: int = VOCAB) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sample_engine(pair, seeds, coupling, vocab: int = VOCAB) -> tuple[torch.Tensor, dict]:
+def penalized(logits, prefix, repetition_penalty, frequency_penalty, presence_penalty):
+    """vLLM's three penalties on [1, V] logits, the output being what follows PROMPT."""
+    counts = torch.bincount(torch.tensor(prefix[len(PROMPT):], dtype=torch.long), minlength=logits.shape[-1])
+    seen = (counts > 0) | torch.bincount(torch.tensor(PROMPT), minlength=logits.shape[-1]).bool()
+    x = torch.where(seen, torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty), logits)
+    return x - frequency_penalty * counts - presence_penalty * (counts > 0)
+
+
+def sample_engine(pair, seeds, coupling, vocab: int = VOCAB, extra: dict | None = None) -> tuple[torch.Tensor, dict]:
     target, draft, tokenizer = pair
     engine = LLMEngine(EngineConfig(target_model=target, draft_model=draft, tokenizer=tokenizer,
                                     method="eqspec", num_speculative_tokens=1, adaptive_k=False,
                                     max_batch_size=256, max_num_seqs=256, max_queue_len=SAMPLES + 1,
                                     sampling_coupling=coupling))
     outs = engine.generate([PROMPT] * len(seeds),
-                           [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, **PARAMS) for s in seeds])
+                           [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, **PARAMS, **(extra or {}))
+                            for s in seeds])
     counts = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
     for o in outs:
         assert len(o.token_ids) == 3, o
@@ -94,6 +106,20 @@ def test_joint_distribution_of_three_tokens_matches_target(small_vocab_pair, cou
     assert 0.10 <= accepted_share <= 0.70, f"acceptance {accepted_share:.2f} exercises too little"
     pvalue = chi2_pvalue(counts, target_joint(small_vocab_pair[0]))
     assert pvalue > 1e-3, f"engine samples differ from the target distribution (p={pvalue:.2e})"
+
+
+PENALTIES = dict(repetition_penalty=1.8, frequency_penalty=1.2, presence_penalty=0.6)
+
+
+@pytest.mark.parametrize("coupling", ["rejection", pytest.param("gumbel", marks=pytest.mark.slow)])
+def test_penalized_joint_distribution_matches_target(small_vocab_pair, coupling):
+    """Penalties at verification positions see the drafts before them: the three tokens' joint
+    distribution is the target's under the penalties, and not the unpenalised one."""
+    counts, _ = sample_engine(small_vocab_pair, range(SAMPLES), coupling, extra=PENALTIES)
+    penalised = target_joint(small_vocab_pair[0], penalties=PENALTIES)
+    pvalue = chi2_pvalue(counts, penalised)
+    assert pvalue > 1e-3, f"penalised samples differ from the target's (p={pvalue:.2e})"
+    assert chi2_pvalue(counts, target_joint(small_vocab_pair[0])) < 1e-6, "the penalties change nothing here"
 
 
 def test_residual_replaced_by_p_is_detected(small_vocab_pair, monkeypatch):

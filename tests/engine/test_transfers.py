@@ -170,6 +170,36 @@ def test_rejection_sampling_uniforms_ride_the_one_copy(pairs):
         max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7))
     assert_within_budget(records, ticks)
 
+# every logits processing parameter at once (logits_processing.py): its state lives on the device
+PROCESSED = dict(ignore_eos=True, temperature=0.8, min_p=0.05, repetition_penalty=1.2,
+                 frequency_penalty=0.5, presence_penalty=0.5, min_tokens=10, logit_bias={5: 2.0},
+                 bad_words=["the cat"])
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_logits_processing_rides_the_one_copy(pairs, method):
+    """Rows with every processing parameter arriving, leaving (different max_tokens) and merging
+    beside plain rows: the state is built from the step's (or prefill's) one upload each time
+    the group changes and advanced on the device otherwise."""
+    engine = make_engine(pairs, method=method, num_speculative_tokens=3, max_batch_size=8)
+    prompts = make_prompts(engine.target.config.vocab_size, None, seed=3, count=6, max_len=20)
+    arrivals = {}
+    for i, prompt in enumerate(prompts):
+        arrivals.setdefault(3 * (i // 2), []).append((f"r{i}", prompt))
+    params = {f"r{i}": SamplingParams(max_tokens=12 + 6 * i, seed=7 + i, **(PROCESSED if i % 3 else {}))
+              for i in range(len(prompts))}
+    rebuilt = []
+    build = engine.runner._stage_processing
+
+    def staging(upload, seqs):
+        staged = build(upload, seqs)
+        rebuilt.append(staged is not None)
+        return staged
+    engine.runner._stage_processing = staging
+    _, _, records, ticks = audited_run(engine, arrivals, {}, params)
+    assert_within_budget(records, ticks, f"{method}:")
+    assert sum(rebuilt) >= 3, "the processing state was not rebuilt as rows came and went"
+
 
 def test_the_audit_sees_a_stray_host_read(pairs):
     """Negative control: a `bool(tensor)` slipped into the step is caught."""

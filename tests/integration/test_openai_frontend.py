@@ -89,7 +89,7 @@ def test_model_config_names_the_echo_input_the_frontend_looks_for(server):
 # change to the request parser (the drop-in contract, design: "The Triton adapter"); before it
 # they fail on "unknown sampling parameter".
 
-@pytest.mark.parametrize("field,value", [("n", 2), ("presence_penalty", 0.5)])
+@pytest.mark.parametrize("field,value", [("n", 2), ("presence_penalty", 2.5)])
 def test_non_neutral_vllm_value_is_refused_by_name(server, field, value):
     """What exspec cannot honour is refused in one final error response that names it (the
     frontend passes the message on as the HTTP error's detail)."""
@@ -98,6 +98,17 @@ def test_non_neutral_vllm_value_is_refused_by_name(server, field, value):
     [response] = call.responses
     assert response.final and response.error, f"{field}={value} was accepted: {call.responses}"
     assert re.search(rf"\b{field}\b", response.error), f"{field} not named: {response.error}"
+
+
+def test_penalties_and_logit_bias_are_answered_as_the_engine_runs_them(server, engine):
+    """OpenAI's frequency_penalty, presence_penalty and logit_bias (string token ids), in the
+    frontend's request shape: answered, with the in-process engine's text."""
+    from exspec import SamplingParams
+    fields = dict(frequency_penalty=0.5, presence_penalty=0.5, logit_bias={"5": -100})
+    call = _ok(grpc_one(server.urls["grpc"], MODEL,
+                        **frontend_request(PROMPT, temperature=0, max_tokens=12, **fields)))
+    [expected] = [out.text for out in engine.generate([PROMPT], [SamplingParams(max_tokens=12, **fields)])]
+    assert call.text() == expected, f"completion {call.text()!r} != engine {expected!r}"
 
 
 def test_completion_is_target_greedy_with_usage(server, greedy):

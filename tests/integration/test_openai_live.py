@@ -173,11 +173,21 @@ def test_a_client_gone_before_a_plain_answer_cancels_it(openai_server):
 
 
 def test_bad_input_is_a_400_with_exspec_s_message(openai_server):
+    """A negative seed passes the frontend's schema (OpenAI's allows it) and exspec refuses it."""
     response = post(openai_server, "/v1/completions", {
-        "model": MODEL, "prompt": "hello", "max_tokens": 4, "presence_penalty": 0.5})
+        "model": MODEL, "prompt": "hello", "max_tokens": 4, "seed": -1})
     body = json.loads(response.read())
     assert response.status == 400, (response.status, body)
-    assert "presence_penalty" in body["detail"], body
+    assert "seed" in body["detail"], body
+
+
+def test_frequency_penalty_is_answered(openai_server):
+    response = post(openai_server, "/v1/completions", {
+        "model": MODEL, "prompt": "hello", "max_tokens": 4, "frequency_penalty": 0.5,
+        "presence_penalty": 0.5, "logit_bias": {"5": -100}})
+    body = json.loads(response.read())
+    assert response.status == 200, (response.status, body)
+    assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] >= 1, body
 
 
 def test_a_streamed_error_ends_with_an_sse_error_event(openai_server):

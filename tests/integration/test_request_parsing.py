@@ -65,8 +65,12 @@ def test_sampling_parameters_json_and_request_parameters_merge():
     ({"parameters": {"stop": '["a", 1]'}}, "stop must be"),
     ({"parameters": {"stop": "[oops"}}, "does not parse"),
     ({"parameters": {"n": 2}}, "n=2 is not supported: exspec accepts n only as 1"),
-    ({"parameters": {"frequency_penalty": "0.5"}}, "frequency_penalty='0.5' is not supported"),
-    ({"parameters": {"logit_bias": {"5": 1}}}, "logit_bias only as null or empty"),
+    ({"parameters": {"length_penalty": "0.5"}}, "length_penalty='0.5' is not supported"),
+    ({"parameters": {"prompt_logprobs": 1}}, "prompt_logprobs only as null or empty"),
+    ({"parameters": {"frequency_penalty": "2.5"}}, r"frequency_penalty must be in \[-2, 2\], got 2.5."),
+    ({"parameters": {"logit_bias": '{"5": "x"}'}}, "logit_bias must be a number"),
+    ({"parameters": {"logit_bias": "[1]"}}, "logit_bias must map token ids to numbers"),
+    ({"parameters": {"min_tokens": 9, "max_tokens": 4}}, "min_tokens must be less than or equal to max_tokens=4"),
     ({"parameters": {"lora_name": "sql"}}, "lora_name only as null or empty"),
     ({"parameters": {"logprobs": 21}}, r"logprobs must be an integer in \[0, 20\]"),
     ({"parameters": {"logprobs": True}}, "logprobs must be an integer"),
@@ -111,6 +115,19 @@ NEUTRAL_REQUEST = {"n": 1, "best_of": 1, "frequency_penalty": 0, "presence_penal
                    "repetition_penalty": "1", "min_tokens": "0", "min_p": 0, "logit_bias": {},
                    "skip_special_tokens": "true", "include_stop_str_in_output": False,
                    "lora_name": None, "seed": None, "bad_words": [], "stop": None}
+
+
+def test_logits_processing_keys_parse_from_json_and_strings():
+    """vLLM's processing keys reach SamplingParams typed, from either spelling (gRPC sends strings)."""
+    typed = {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": -0.5,
+             "min_p": 0.1, "min_tokens": 3, "logit_bias": {"5": -100, "7": 2.5},
+             "allowed_token_ids": [5, 7, 9], "bad_words": ["foo bar", "baz"]}
+    strings = {key: value if key == "bad_words" else json.dumps(value) for key, value in typed.items()}
+    from_json = parse(sampling_parameters=np.array([json.dumps(typed).encode()], dtype=np.object_)).params
+    from_strings = parse(strings).params
+    assert from_json == from_strings
+    assert (from_json.logit_bias, from_json.min_tokens, from_json.bad_words) == (
+        {5: -100.0, 7: 2.5}, 3, ["foo bar", "baz"])
 
 
 def test_vllm_neutral_values_are_accepted_and_change_nothing():

@@ -49,12 +49,34 @@ def test_openai_frontend_sampling_keys_are_served_like_plain_ones(server):
     assert served.ids() == plain.ids() and len(plain.ids()) == 8
 
 
-@pytest.mark.parametrize("key,value", [("n", 2), ("best_of", 3), ("presence_penalty", 0.5),
-                                       ("repetition_penalty", "1.2"), ("lora_name", "sql-lora")])
+@pytest.mark.parametrize("key,value", [("n", 2), ("best_of", 3), ("length_penalty", 0.5),
+                                       ("use_beam_search", "true"), ("lora_name", "sql-lora")])
 def test_other_values_of_vllm_keys_are_refused_by_name(server, key, value):
     status, body = generate(server.urls["http"], "exspec", {"text_input": PROMPT, key: value})
     assert status == 400, body
     assert f"{key}={value!r} is not supported" in body["error"], body
+
+
+def test_logits_processing_keys_are_served_as_the_engine_runs_them(server, engine):
+    """vLLM's penalties, min_tokens, logit_bias and bad_words through the sampling_parameters
+    JSON: the served tokens are the in-process engine's, and differ from the plain request's
+    (logit_bias bans the plain output's third token)."""
+    from exspec import SamplingParams
+    plain = {"max_tokens": 12, "temperature": 0.8, "seed": 3}
+
+    def served(sampling):
+        call = grpc_one(server.urls["grpc"], "exspec", prompt=PROMPT, sampling=sampling,
+                        stream=True, exclude_input_in_output=True)
+        assert call.responses[-1].error is None, call.responses[-1].error
+        return call.ids()
+
+    plain_ids = served(plain)
+    processed = {**plain, "frequency_penalty": 1.5, "presence_penalty": 0.5,
+                 "repetition_penalty": 1.3, "min_tokens": 12, "logit_bias": {str(plain_ids[2]): -100},
+                 "bad_words": ["the"]}
+    expected = engine.generate([PROMPT], [SamplingParams(**processed)])[0].token_ids
+    assert served(processed) == expected
+    assert plain_ids != expected, "the processing keys changed nothing"
 
 
 def test_generate_body_id_is_not_a_sampling_parameter(server):
