@@ -16,6 +16,7 @@ from collections import deque
 from .config import EngineConfig
 from .group import Group
 from .outputs import TokenLogprob
+from .prefix_cache import PrefixCaching
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -25,8 +26,10 @@ Touched = tuple[Sequence, list[int], "list[TokenLogprob] | None"]
 
 
 class SequencePool:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, stats: Stats):
+    def __init__(self, config: EngineConfig, runner: ModelRunner, stats: Stats,
+                 prefix: PrefixCaching | None = None):
         self.config = config
+        self.prefix = prefix   # the block store's prefix cache, or None (off)
         self.runner = runner
         self.stats = stats
         self.waiting: deque[Sequence] = deque()
@@ -36,7 +39,7 @@ class SequencePool:
         self.prefilling: list[Group] = []
         self.planned: tuple[Group, int] | None = None   # this tick's step (group, k), not yet run
         self.scheduler = Scheduler(config, has_draft=runner.draft is not None,
-                                   entries_for=runner.kv_layout.entries_for)
+                                   entries_for=runner.kv_layout.entries_for, prefix=prefix)
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -58,7 +61,7 @@ class SequencePool:
         return sum(kv.allocated_tokens() for g in self.groups + self.prefilling for kv in g.caches())
 
     def kv_reserved(self) -> int:
-        return sum(self.scheduler.reservation(s) for s in self.admitted())
+        return self.scheduler.reserved(self.admitted())
 
     # -- intake -------------------------------------------------------------------------------------
     def enqueue(self, seqs: list[Sequence]) -> None:
@@ -105,13 +108,20 @@ class SequencePool:
         whole = []
         for seq, count in admitted:
             self.waiting.remove(seq)
-            if count == seq.num_prompt_tokens:
+            if count == seq.num_prompt_tokens - seq.num_cached_target:   # past a cached prefix
                 whole.append(seq)
             else:   # too long for this tick: fed in chunks over the next ticks
-                touched += self._prefill(self.runner.new_group([seq]), [count])
+                touched += self._prefill(self._new_group([seq]), [count])
         if whole:   # short prompts: one batched forward
-            touched += self._prefill(self.runner.new_group(whole), [s.num_prompt_tokens for s in whole])
+            touched += self._prefill(self._new_group(whole),
+                                     [s.num_prompt_tokens - s.num_cached_target for s in whole])
         return touched
+
+    def _new_group(self, seqs: list[Sequence]) -> Group:
+        group = self.runner.new_group(seqs)
+        if self.prefix is not None:   # rows start from their cached prefix's blocks
+            self.prefix.attach(group)
+        return group
 
     def finish_tick(self) -> list[Touched]:
         if self.planned is None:
@@ -131,6 +141,8 @@ class SequencePool:
             if group in self.prefilling:
                 self.prefilling.remove(group)
             return self._fail(group.seqs, traceback.format_exc(limit=3))
+        if self.prefix is not None:
+            self.prefix.register(group)
         if not all(done):
             if group not in self.prefilling:
                 self.prefilling.append(group)
@@ -199,6 +211,8 @@ class SequencePool:
         kept = []
         for group in groups:
             rows = [i for i, s in enumerate(group.seqs) if not s.finished]
+            if self.prefix is not None and len(rows) < len(group):   # leaving rows' blocks stay cached
+                self.prefix.register(group)
             if rows:
                 with self.stats.timer("realign"):
                     moved = group.keep(rows)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from .config import EngineConfig
 from .draft_stop import DraftStop
 from .group import Group
+from .prefix_cache import PrefixCaching
 from .sequence import Sequence
 
 if TYPE_CHECKING:
@@ -185,8 +186,10 @@ def _ema(table: dict, key, value: float, weight: float) -> None:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, has_draft: bool, entries_for=lambda n: n):
+    def __init__(self, config: EngineConfig, has_draft: bool, entries_for=lambda n: n,
+                 prefix: PrefixCaching | None = None):
         self.config = config
+        self.prefix = prefix   # shared blocks count once (prefix_cache.py)
         self.speculative = has_draft and config.speculative
         self.exspec = config.method == "exspec"
         self.adaptive = AdaptiveK(config.num_speculative_tokens) if (
@@ -209,6 +212,11 @@ class Scheduler:
     def reservation(self, seq: Sequence) -> int:
         return self.kv_peak(seq.num_prompt_tokens, seq.max_tokens, seq.max_model_len)
 
+    def reserved(self, admitted: list[Sequence]) -> int:
+        """What the admitted sequences may grow to, a block several hold counted once."""
+        shared = 0 if self.prefix is None else self.prefix.shared_entries()
+        return sum(self.reservation(s) for s in admitted) - shared
+
     def admit(self, waiting, admitted: list[Sequence],
               budget: int | None) -> list[tuple[Sequence, int]]:
         """Waiting sequences to admit now, in arrival order, with the prompt tokens each gets
@@ -219,16 +227,20 @@ class Scheduler:
         limit = self.config.max_num_seqs if self.exspec else self.config.max_batch_size
         room = min(limit - len(admitted), self.config.max_batch_size)
         kv_budget = self.config.max_num_kv_tokens
-        reserved = sum(self.reservation(s) for s in admitted)
+        reserved = self.reserved(admitted)
         chosen = []
         for seq in waiting:
             if len(chosen) >= room or (budget is not None and budget <= 0):
                 break
-            need = self.reservation(seq)
+            hit = None if self.prefix is None else self.prefix.lookup(seq)
+            need = self.reservation(seq) - (0 if hit is None else hit.held_entries)
             if kv_budget is not None and reserved + need > kv_budget:
                 break   # waits, in order, for finishing sequences to free their reservations
             reserved += need
-            count = seq.num_prompt_tokens if budget is None else min(seq.num_prompt_tokens, budget)
+            if hit is not None:   # its cached prefix is not fed again
+                self.prefix.claim(seq, hit)
+            left = seq.num_prompt_tokens - seq.num_cached_target
+            count = left if budget is None else min(left, budget)
             budget = None if budget is None else budget - count
             chosen.append((seq, count))
         return chosen
