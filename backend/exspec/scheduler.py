@@ -220,8 +220,8 @@ class Scheduler:
     def admit(self, waiting, admitted: list[Sequence],
               budget: int | None) -> list[tuple[Sequence, int]]:
         """Waiting sequences to admit now, in arrival order, with the prompt tokens each gets
-        this tick (all of it, or a first chunk of it; `budget` = the tick's prefill tokens left,
-        None = unlimited). A sequence is admitted only when what it can grow to fits beside the
+        this tick (all of it, or 0 for a prompt longer than what is left, fed in chunks;
+        `budget` = the tick's prefill tokens left, None = unlimited). A sequence is admitted only when what it can grow to fits beside the
         reservations of those already admitted, so the pool cannot run out of KV mid-generation
         (one that could never fit was refused at add_request)."""
         limit = self.config.max_num_seqs if self.exspec else self.config.max_batch_size
@@ -240,7 +240,9 @@ class Scheduler:
             if hit is not None:   # its cached prefix is not fed again
                 self.prefix.claim(seq, hit)
             left = seq.num_prompt_tokens - seq.num_cached_target
-            count = left if budget is None else min(left, budget)
+            # whole when it fits what the tick has left; a longer prompt gets none now: its
+            # chunks come from what the budget leaves once the short ones are fed (pool.py)
+            count = left if budget is None or left <= budget else 0
             budget = None if budget is None else budget - count
             chosen.append((seq, count))
         return chosen
