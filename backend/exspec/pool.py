@@ -243,4 +243,6 @@ class SequencePool:
     def fail_all(self, error: str) -> list[Touched]:
         seqs = self.admitted() + list(self.waiting)
         self.groups, self.prefilling, self.waiting, self.planned = [], [], deque(), None
+        if self.prefix is not None:
+            self.prefix.drop_claims()
         return self._fail(seqs, error)

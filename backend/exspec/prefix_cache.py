@@ -161,6 +161,13 @@ class PrefixCaching:
                     table.cached_blocks = len(blocks)
                     table.content = kv.store.prefix.content_of[blocks[-1]]
 
+    def drop_claims(self) -> None:
+        """The tick failed between `claim` and `attach`: the claimed blocks are let go."""
+        for hit in self.claimed.values():
+            for store, blocks in zip(self.stores, hit.blocks):
+                store.free(list(blocks))
+        self.claimed.clear()
+
     def register(self, group) -> None:
         """Cache the full blocks of committed tokens every row of the group has written."""
         for kv in self._caches(group):

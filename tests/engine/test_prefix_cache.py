@@ -206,3 +206,16 @@ def _tiny_engine(model_type: str, **config) -> LLMEngine:
     pair = ModelPair(tokenizer(), target, draft, set(), 256)
     return LLMEngine(EngineConfig(target_model=model_type, draft_model=model_type, method="exspec",
                                   num_speculative_tokens=3, adaptive_k=False), pair=pair)
+
+
+def test_a_tick_failing_after_a_claim_lets_the_claimed_blocks_go(pairs, monkeypatch):
+    """A hit's blocks are held from admission; when the tick fails before the row's group
+    holds them, they go back to the cache unused (else they would be held for good)."""
+    engine = make_engine(pairs, method="exspec")
+    warm, prompt = chat_prompts(8, lengths=(2, 3))
+    engine.generate([warm], SamplingParams(max_tokens=2))
+    monkeypatch.setattr(engine.runner, "new_group", lambda seqs: 1 / 0)
+    engine.add_request("failed", prompt, SamplingParams(max_tokens=2))
+    engine.step()   # admitted and claimed, then the tick fails (the pool's last resort)
+    assert engine.stats()["prefix_cache_hits"] == 2 * BLOCK_SIZE
+    assert all(held == 0 and taken == 0 for _, held, taken in store_state(engine)), store_state(engine)
