@@ -66,6 +66,12 @@ class VllmMetrics:
                                                 one_two_five_buckets(max_model_len))()
         self.request_n = family("vllm:request_params_n", H, "Histogram of the n request parameter.",
                                 [1, 2, 5, 10, 20])()
+        # vLLM counts both in prompt tokens: looked up, and found cached (as scraped, with _total)
+        self.prefix_cache = {
+            "queries": family("vllm:prefix_cache_queries_total", C,
+                              "Prefix cache queries, in terms of number of queried tokens.")(),
+            "hits": family("vllm:prefix_cache_hits_total", C,
+                           "Prefix cache hits, in terms of number of cached tokens.")()}
 
     def first_token(self, seconds: float, prompt_tokens: int) -> None:
         self.ttft.observe(seconds)
@@ -115,6 +121,13 @@ class Metrics:
         self.steps = {kind: steps(kind=kind) for kind in ("all", *STEP_KINDS)}
         self.realign_bytes = family("exspec:realign_bytes_total", C,
                                     "Bytes copied to form, split or realign groups")()
+        self.prefix_cache = {
+            "queries": family("exspec:prefix_cache_queries_total", C,
+                              "Prompt tokens of admitted requests looked up in the prefix cache")(),
+            "hits": family("exspec:prefix_cache_hits_total", C,
+                           "Of them, tokens found cached: neither model prefilled them")()}
+        self.prefix_cache_blocks = family("exspec:prefix_cache_blocks", G,
+                                          "KV blocks in the prefix cache, all models (held or not)")()
         self.running = family("exspec:num_requests_running", G, "Sequences in the pool")()
         self.waiting = family("exspec:num_requests_waiting", G, "Requests waiting for the pool")()
         self._kv_family = family("exspec:kv_cache_tokens", G, "KV cache entries in the pool, by role: "
@@ -170,6 +183,12 @@ class Metrics:
         self.draft_tokens.increment(max(delta("draft_tokens"), 0))
         self.accepted_tokens.increment(max(delta("accepted_tokens"), 0))
         self.realign_bytes.increment(max(delta("realign_bytes"), 0))
+        for kind in ("queries", "hits"):
+            grown = max(delta(f"prefix_cache_{kind}"), 0)
+            self.prefix_cache[kind].increment(grown)
+            if self.vllm:
+                self.vllm.prefix_cache[kind].increment(grown)
+        self.prefix_cache_blocks.set(stats.get("prefix_cache_blocks") or 0)
         if delta("steps") > 0:
             for p in PHASES:
                 spent = delta(f"time_{p}_s")

@@ -13,6 +13,7 @@ against these rules: each one is exact or refused here.
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
@@ -21,6 +22,8 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_
 from .errors import ModelLoadError
 from .kv import LayerMasks, PaddedKV, cache_layer_classes, uses_alibi
 from .kv_blocks import BlockStores
+
+log = logging.getLogger("exspec")
 
 ENCODER_DECODER_TYPES = set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES) | set(
     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
@@ -146,8 +149,32 @@ def kv_layout(config, models):
         # admission reserves the same entries in every model's store: each gets its share
         budget, count = config.max_num_kv_tokens, sum(m is not None for m in models)
         return BlockStores(config.device, None if budget is None else budget // count,
-                           bucketed=not config.enforce_eager)
+                           bucketed=not config.enforce_eager,
+                           prefix_caching=_prefix_caching(config, models))
+    _prefix_caching(config, models)   # says why it is off
     return PaddedKV
+
+
+def _prefix_caching(config, models) -> bool:
+    """Whether the block store shares cached prefixes (prefix_cache.py): asked for and exact.
+    Not on EQSPEC's PaddedKV (rows realigned every step: no block outlives a step), and not
+    for sliding-window or ALiBi models, where this store keeps no proof that a block's entries
+    serve another row unchanged. Off with one line in the load log saying why."""
+    if not config.enable_prefix_caching:
+        return False
+    why = None
+    if config.method != "exspec":
+        why = f"method {config.method} runs on the padded layout, which has no blocks to share"
+    for model in (m for m in models if m is not None):
+        name = type(model).__name__
+        if any(w is not None for w in LayerMasks.of(model).windows.values()):
+            why = f"{name} has sliding-window layers"
+        elif uses_alibi(model.config):
+            why = f"{name} uses ALiBi"
+    if why is None:
+        return True
+    log.warning("exspec: enable_prefix_caching is off: %s", why)
+    return False
 
 
 def _alibi_from_2d_mask(cfg) -> bool:

@@ -81,6 +81,9 @@ class EngineConfig:
                                           # "step" (as vLLM does when it speculates) or per "token"
     enforce_eager: bool = True            # vLLM's meaning: no compiled decode path (compiled.py);
                                           # False compiles the step's forwards before READY
+    enable_prefix_caching: bool = True    # vLLM's name: share full KV blocks of common prefixes
+                                          # (prefix_cache.py); where the layout can (the block
+                                          # store), else off with a line in the load log
     fault_injection: dict | None = None   # tests only: see faults.py; off unless set here
 
     def __post_init__(self):
@@ -138,6 +141,8 @@ class EngineConfig:
         if self.stream_granularity not in STREAM_GRANULARITIES:
             raise ValueError(f"stream_granularity must be one of {', '.join(STREAM_GRANULARITIES)}, "
                              f"got {self.stream_granularity!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.draft_stop_confidence not in (None, "auto") and (

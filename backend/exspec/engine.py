@@ -29,6 +29,7 @@ from .ngram import NgramProposer
 from .outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
 from .pool import SequencePool, Touched
+from .prefix_cache import PrefixCaching
 from .runner import ModelRunner
 from .sequence import Sequence
 from .stats import Stats
@@ -111,7 +112,9 @@ class LLMEngine:
                                   layout, self.faults,
                                   PaddedVocab.of(self.target, self.draft, self.tokenizer, pad_id),
                                   config.sampling_coupling, self._proposer())
-        self.pool = SequencePool(config, self.runner, self.stats_)
+        prefix = (PrefixCaching([layout.store(m) for m in (self.target, self.draft) if m is not None])
+                  if isinstance(layout, BlockStores) and layout.prefix_caching else None)
+        self.pool = SequencePool(config, self.runner, self.stats_, prefix)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._incoming: deque[Sequence] = deque()   # added since the last tick
@@ -349,8 +352,11 @@ class LLMEngine:
     def stats(self) -> dict:
         with self._lock:
             queued = len(self._incoming)
-        return self.stats_.snapshot(pool_seqs=self.pool.num_running,
-                                    pool_kv_tokens=self.pool.kv_tokens(),
-                                    queue_len=self.pool.num_waiting + queued,
-                                    pool_kv_tokens_allocated=self.pool.kv_allocated(),
-                                    pool_kv_tokens_reserved=self.pool.kv_reserved())
+        out = self.stats_.snapshot(pool_seqs=self.pool.num_running,
+                                   pool_kv_tokens=self.pool.kv_tokens(),
+                                   queue_len=self.pool.num_waiting + queued,
+                                   pool_kv_tokens_allocated=self.pool.kv_allocated(),
+                                   pool_kv_tokens_reserved=self.pool.kv_reserved())
+        if self.pool.prefix is not None:
+            out.update(self.pool.prefix.stats())
+        return out

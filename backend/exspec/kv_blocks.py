@@ -38,6 +38,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from .kv import LayerMasks, new_cache
+from .prefix_cache import BlockCache
 from .transfer import Transfers
 
 BLOCK_SIZE = 16
@@ -137,8 +138,9 @@ class KVStore:
     its blocks run out (one copy of the buffers, rare)."""
 
     def __init__(self, model, device, num_blocks: int = 64, grows: bool = True,
-                 bucketed: bool = False):
+                 bucketed: bool = False, prefix=None):
         self.device = torch.device(device)
+        self.prefix = prefix   # prefix_cache.BlockCache, or None: caching off
         self.bucketed = bucketed   # table widths in powers of two (few shapes, for compiling)
         self.masks = LayerMasks.of(model)
         self.num_blocks = max(2, num_blocks)
@@ -166,7 +168,11 @@ class KVStore:
         consecutive wherever its neighbours leave room, and a row alone reads its entries in
         place (BlockTable.span); handing out the lowest first keeps free room in one piece."""
         while count > len(self.free_set):
-            self._grow()
+            evicted = None if self.prefix is None else self.prefix.evict()
+            if evicted is None:
+                self._grow()
+            else:   # an unused cached block before a bigger store
+                self._free_one(evicted)
         out = []
         for _ in range(count):
             after = after + 1 if after is not None and after + 1 in self.free_set else self._lowest()
@@ -182,10 +188,14 @@ class KVStore:
         return heapq.heappop(self.free_heap)
 
     def free(self, blocks: list[int]) -> None:
-        for block in blocks:
-            self.free_set.add(block)
-            heapq.heappush(self.free_heap, block)
+        """A table lets go of its blocks (cached ones stay cached while unused)."""
+        for block in blocks if self.prefix is None else self.prefix.release(blocks):
+            self._free_one(block)
         blocks.clear()
+
+    def _free_one(self, block: int) -> None:
+        self.free_set.add(block)
+        heapq.heappush(self.free_heap, block)
 
     def _grow(self) -> None:
         # Doubling holds the old and new buffers at once (and on CUDA recaptures every graph),
@@ -205,6 +215,8 @@ class BlockTable:
     def __init__(self, store: KVStore):
         self.blocks: list[int] = []   # never rebound: the finalizer frees this very list
         self.length = 0               # KV entries written for real tokens
+        self.cached_blocks = 0        # leading blocks the prefix cache has seen (prefix_cache.py)
+        self.content = 0              # the content id of the last of them
         self.release = weakref.finalize(self, store.free, self.blocks)
 
     def span(self, count: int) -> tuple[int, int, int] | None:
@@ -338,13 +350,15 @@ class BlockKV:
 class BlockStores:
     """The EXSPEC layout's factory: one KVStore per model, new groups' BlockKVs in them."""
 
-    def __init__(self, device, max_num_kv_tokens: int | None = None, bucketed: bool = False):
+    def __init__(self, device, max_num_kv_tokens: int | None = None, bucketed: bool = False,
+                 prefix_caching: bool = False):
         """`max_num_kv_tokens`: each store's share of the budget (None: no budget, stores
         double as they fill). Under a budget every store takes its whole share when first used
         (its scratch block within it) and never grows: growing by copying would hold twice the
         buffers for a moment, past the budget."""
         self.device = device
         self.bucketed = bucketed   # the compiled path: table widths in powers of two
+        self.prefix_caching = prefix_caching   # each store keeps a prefix_cache.BlockCache
         self.blocks = None if max_num_kv_tokens is None else max_num_kv_tokens // BLOCK_SIZE
         self.stores: dict[int, KVStore] = {}
 
@@ -364,7 +378,8 @@ class BlockStores:
     def store(self, model) -> KVStore:
         if id(model) not in self.stores:
             self.stores[id(model)] = KVStore(model, self.device, self.blocks or 64,
-                                             grows=self.blocks is None, bucketed=self.bucketed)
+                                             grows=self.blocks is None, bucketed=self.bucketed,
+                                             prefix=BlockCache(BLOCK_SIZE) if self.prefix_caching else None)
         return self.stores[id(model)]
 
     def empty(self, model, batch: int, device) -> BlockKV:

@@ -16,6 +16,7 @@ from collections import deque
 from .config import EngineConfig
 from .group import Group
 from .outputs import TokenLogprob
+from .prefix_cache import PrefixCaching
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -25,8 +26,10 @@ Touched = tuple[Sequence, list[int], "list[TokenLogprob] | None"]
 
 
 class SequencePool:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, stats: Stats):
+    def __init__(self, config: EngineConfig, runner: ModelRunner, stats: Stats,
+                 prefix: PrefixCaching | None = None):
         self.config = config
+        self.prefix = prefix   # the block store's prefix cache, or None (off)
         self.runner = runner
         self.stats = stats
         self.waiting: deque[Sequence] = deque()
@@ -37,7 +40,7 @@ class SequencePool:
         self.planned: tuple[Group, int] | None = None   # this tick's step (group, k), not yet run
         self.scheduler = Scheduler(config, has_draft=runner.draft is not None,
                                    entries_for=runner.kv_layout.entries_for,
-                                   allocation_for=runner.kv_layout.allocation_for)
+                                   allocation_for=runner.kv_layout.allocation_for, prefix=prefix)
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -93,26 +96,48 @@ class SequencePool:
                 group = self._merge(plan.groups) if len(plan.groups) > 1 else plan.groups[0]
                 self.planned = (group, self.scheduler.k_for(group))
         budget = self.scheduler.prefill_budget(*(self.planned or (None, 0)))
-        touched: list[Touched] = []
-        for group in list(self.prefilling):   # prompts under way first, oldest first
-            if budget is not None and budget <= 0:
-                break
-            left = group.seqs[0].num_prompt_tokens - group.seqs[0].num_cached_target
-            count = left if budget is None else min(left, budget)
-            budget = None if budget is None else budget - count
-            touched += self._prefill(group, [count])
+        # The prefill policy: the step's tokens are counted already; a prompt under way that has
+        # waited max_skipped_ticks for its next chunk goes first, then new prompts that fit
+        # whole, then the other prompts under way, oldest first, with what the budget leaves.
+        starved = [g for g in self.prefilling if g.seqs[0].skipped_ticks >= self.config.max_skipped_ticks]
+        touched, budget = self._feed_chunks(starved, budget)
         with self.stats.timer("schedule"):
             admitted = self.scheduler.admit(self.waiting, self.admitted(), budget)
         whole = []
         for seq, count in admitted:
             self.waiting.remove(seq)
-            if count == seq.num_prompt_tokens:
+            if count:
                 whole.append(seq)
-            else:   # too long for this tick: fed in chunks over the next ticks
-                touched += self._prefill(self.runner.new_group([seq]), [count])
-        if whole:   # short prompts: one batched forward
-            touched += self._prefill(self.runner.new_group(whole), [s.num_prompt_tokens for s in whole])
-        return touched
+            else:   # longer than what the tick has left: fed in chunks, from below on
+                self.prefilling.append(self._new_group([seq]))
+        if whole:   # short prompts (past any cached prefix): one batched forward
+            counts = [s.num_prompt_tokens - s.num_cached_target for s in whole]
+            budget = None if budget is None else budget - sum(counts)
+            touched += self._prefill(self._new_group(whole), counts)
+        more, _ = self._feed_chunks([g for g in self.prefilling if g not in starved], budget)
+        return touched + more
+
+    def _feed_chunks(self, groups: list[Group], budget: int | None) -> tuple[list[Touched], int | None]:
+        """Feed each prompt under way its next chunk, in order, while the budget lasts; one left
+        without counts a tick more of waiting (skipped_ticks). Returns the budget left."""
+        touched: list[Touched] = []
+        for group in groups:
+            seq = group.seqs[0]
+            if budget is not None and budget <= 0:
+                seq.skipped_ticks += 1
+                continue
+            left = seq.num_prompt_tokens - seq.num_cached_target
+            count = left if budget is None else min(left, budget)
+            budget = None if budget is None else budget - count
+            seq.skipped_ticks = 0
+            touched += self._prefill(group, [count])
+        return touched, budget
+
+    def _new_group(self, seqs: list[Sequence]) -> Group:
+        group = self.runner.new_group(seqs)
+        if self.prefix is not None:   # rows start from their cached prefix's blocks
+            self.prefix.attach(group)
+        return group
 
     def finish_tick(self) -> list[Touched]:
         if self.planned is None:
@@ -132,6 +157,8 @@ class SequencePool:
             if group in self.prefilling:
                 self.prefilling.remove(group)
             return self._fail(group.seqs, traceback.format_exc(limit=3))
+        if self.prefix is not None:
+            self.prefix.register(group)
         if not all(done):
             if group not in self.prefilling:
                 self.prefilling.append(group)
@@ -200,6 +227,8 @@ class SequencePool:
         kept = []
         for group in groups:
             rows = [i for i, s in enumerate(group.seqs) if not s.finished]
+            if self.prefix is not None and len(rows) < len(group):   # leaving rows' blocks stay cached
+                self.prefix.register(group)
             if rows:
                 with self.stats.timer("realign"):
                     moved = group.keep(rows)
@@ -215,4 +244,6 @@ class SequencePool:
     def fail_all(self, error: str) -> list[Touched]:
         seqs = self.admitted() + list(self.waiting)
         self.groups, self.prefilling, self.waiting, self.planned = [], [], deque(), None
+        if self.prefix is not None:
+            self.prefix.drop_claims()
         return self._fail(seqs, error)

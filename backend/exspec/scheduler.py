@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from .config import EngineConfig
 from .draft_stop import DraftStop
 from .group import Group
+from .prefix_cache import PrefixCaching
 from .sequence import Sequence
 
 if TYPE_CHECKING:
@@ -190,8 +191,10 @@ def _ema(table: dict, key, value: float, weight: float) -> None:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, has_draft: bool, entries_for=lambda n: n,
-                 allocation_for=lambda reservations, models: sum(reservations)):
+                 allocation_for=lambda reservations, models: sum(reservations),
+                 prefix: PrefixCaching | None = None):
         self.config = config
+        self.prefix = prefix   # shared blocks count once (prefix_cache.py)
         self.speculative = (has_draft or config.proposer == "ngram") and config.speculative
         self.exspec = config.method == "exspec"
         self.adaptive = AdaptiveK(config.num_speculative_tokens) if (
@@ -218,14 +221,16 @@ class Scheduler:
     def allocation(self, seqs: list[Sequence]) -> int:
         """KV entries the layout can come to allocate for these sequences: what admission
         holds within max_num_kv_tokens (not their use: a padded group allocates rows x its
-        longest row, and a block store its scratch block too)."""
-        return self.allocation_for([self.reservation(s) for s in seqs], self.models)
+        longest row, and a block store its scratch block too); a cached block several rows
+        hold counts once."""
+        shared = 0 if self.prefix is None else self.prefix.shared_entries()
+        return self.allocation_for([self.reservation(s) for s in seqs], self.models) - shared
 
     def admit(self, waiting, admitted: list[Sequence],
               budget: int | None) -> list[tuple[Sequence, int]]:
         """Waiting sequences to admit now, in arrival order, with the prompt tokens each gets
-        this tick (all of it, or a first chunk of it; `budget` = the tick's prefill tokens left,
-        None = unlimited). A sequence is admitted only when what it can grow to fits beside the
+        this tick (all of it, or 0 for a prompt longer than what is left, fed in chunks;
+        `budget` = the tick's prefill tokens left, None = unlimited). A sequence is admitted only when what it can grow to fits beside the
         reservations of those already admitted, so the pool cannot run out of KV mid-generation
         (one that could never fit was refused at add_request)."""
         limit = self.config.max_num_seqs if self.exspec else self.config.max_batch_size
@@ -236,10 +241,17 @@ class Scheduler:
         for seq in waiting:
             if len(chosen) >= room or (budget is not None and budget <= 0):
                 break
-            if kv_budget is not None and self.allocation(holding + [seq]) > kv_budget:
+            hit = None if self.prefix is None else self.prefix.lookup(seq)
+            held = 0 if hit is None else hit.held_entries   # cached blocks other rows hold
+            if kv_budget is not None and self.allocation(holding + [seq]) - held > kv_budget:
                 break   # waits, in order, for finishing sequences to free their reservations
             holding.append(seq)
-            count = seq.num_prompt_tokens if budget is None else min(seq.num_prompt_tokens, budget)
+            if hit is not None:   # its cached prefix is not fed again
+                self.prefix.claim(seq, hit)
+            left = seq.num_prompt_tokens - seq.num_cached_target
+            # whole when it fits what the tick has left; a longer prompt gets none now: its
+            # chunks come from what the budget leaves once the short ones are fed (pool.py)
+            count = left if budget is None or left <= budget else 0
             budget = None if budget is None else budget - count
             chosen.append((seq, count))
         return chosen

@@ -17,7 +17,7 @@ IGNORED = frozenset({
     "disable_log_stats", "disable_log_requests", "enable_log_requests", "served_model_name",
     "download_dir", "load_format", "revision", "code_revision", "tokenizer_revision",
     "max_seq_len_to_capture", "disable_custom_all_reduce", "swap_space", "block_size",
-    "max_logprobs", "enable_prefix_caching", "distributed_executor_backend", "worker_use_ray",
+    "max_logprobs", "distributed_executor_backend", "worker_use_ray",
     "max_parallel_loading_workers", "num_gpu_blocks_override", "preemption_mode",
     "scheduler_delay_factor", "compilation_config", "async_scheduling", "enable_chunked_prefill",
     "guided_decoding_backend", "structured_outputs_config", "use_v2_block_manager",

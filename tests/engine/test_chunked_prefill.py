@@ -113,3 +113,62 @@ def test_chunk_masks_grow_with_the_chunk_not_the_prompt(pairs, reference, monkey
     _, _, prompt, _ = run_long_beside_short(pairs, reference, "exspec")
     assert max(s[2] for s in shapes) <= BATCHED, "a forward fed more than a tick's tokens"
     assert max(s[2] * s[3] for s in shapes) < len(prompt) ** 2 / 4
+
+
+def long_fed(engine) -> int | None:
+    """Prompt tokens the long request has fed so far (None once it has left)."""
+    return next((s.num_cached_target for g in engine.pool.prefilling + engine.pool.groups
+                 for s in g.seqs if s.request_id == "long"), None)
+
+
+def short_prompts_beside_a_long_one(pairs, reference, bound: int | None = None):
+    """A long prompt arrives, then a new short prompt every tick, each as long as what a tick
+    with a two-row step leaves (BATCHED - 2 (K + 1) = 8 tokens). Returns, per short prompt, the
+    ticks to its first token, the longest run of ticks the long prompt went without a chunk,
+    and the bound; every output is checked exactly."""
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2,
+                         num_speculative_tokens=K, max_num_batched_tokens=BATCHED, max_num_seqs=16)
+    if bound is not None:   # the negative control: no bound on a chunk's wait
+        engine.config.max_skipped_ticks = bound
+    prompt = long_prompt(pairs)[:6 * BATCHED]
+    tokens = [t for p in make_prompts(320, pairs["llama", "eos"], seed=44, count=16) for t in p]
+    shorts = [tokens[i:i + 8] for i in range(0, 8 * 14, 8)]
+    tick, fed_at, first_at, got, arrived = 0, [], {}, {}, {}
+    engine.add_request("long", prompt, SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        if engine.pool.planned is None:   # a tick starts
+            tick += 1
+            if tick <= len(shorts):
+                engine.add_request(f"s{tick}", shorts[tick - 1], SamplingParams(max_tokens=12))
+                arrived[f"s{tick}"] = tick
+        before = long_fed(engine)
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            first_at.setdefault(out.request_id, tick)
+        if long_fed(engine) != before:
+            fed_at.append(tick)
+    assert got["long"] == reference(pairs["llama", "target"], prompt, 8)
+    for i, p in enumerate(shorts, 1):
+        assert got[f"s{i}"] == reference(pairs["llama", "target"], p, 12), f"s{i}"
+    waits = [first_at[r] - arrived[r] for r in arrived]
+    ticks = sorted(set(fed_at))
+    gaps = [b - a - 1 for a, b in zip(ticks, ticks[1:])]
+    return waits, max(gaps, default=0), engine.config.max_skipped_ticks
+
+
+def test_short_prompts_go_before_a_long_prompts_chunks_which_wait_at_most_the_bound(pairs, reference):
+    """The prefill policy: a short prompt gets its first token in the tick after it arrives, not
+    after the long prompt's chunks, and the long prompt still gets a chunk at least every
+    max_skipped_ticks + 1 ticks although a short one takes the budget every tick."""
+    waits, longest_gap, bound = short_prompts_beside_a_long_one(pairs, reference)
+    assert max(waits) <= 1, f"short prompts waited {waits} ticks for their first token"
+    assert 0 < longest_gap <= bound, f"the long prompt waited {longest_gap} ticks for a chunk (bound {bound})"
+
+
+def test_a_chunk_without_a_bound_starves_negative_control(pairs, reference):
+    """The same run with no bound: the long prompt waits for every short one, past the bound
+    the test above holds."""
+    _, longest_gap, _ = short_prompts_beside_a_long_one(pairs, reference, bound=10**6)
+    bound = make_engine(pairs, method="exspec", max_batch_size=2, max_num_seqs=16,
+                        num_speculative_tokens=K, max_num_batched_tokens=BATCHED).config.max_skipped_ticks
+    assert longest_gap > bound, f"the long prompt waited at most {longest_gap} ticks (bound {bound})"

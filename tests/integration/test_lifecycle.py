@@ -15,6 +15,7 @@ DESIGN_METRICS = [
     "exspec:draft_tokens_total", "exspec:accepted_draft_tokens_total", "exspec:steps_total",
     "exspec:realign_bytes_total", "exspec:num_requests_running", "exspec:num_requests_waiting",
     "exspec:kv_cache_tokens", "exspec:num_speculative_tokens",
+    "exspec:prefix_cache_queries_total", "exspec:prefix_cache_hits_total", "exspec:prefix_cache_blocks",
     "exspec:time_to_first_token_seconds_count", "exspec:time_per_output_token_seconds_count",
     "exspec:e2e_request_latency_seconds_count", "exspec:step_phase_seconds_count"]
 

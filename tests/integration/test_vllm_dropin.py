@@ -209,6 +209,28 @@ def test_vllm_metrics_follow_the_vllm_backend(server, hf_target):
     assert scrape(server, "exspec:requests_total", model="tokenwise") >= 3   # ours stay
 
 
+PREFIX_CACHE_COUNTS = ["vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                       "exspec:prefix_cache_queries_total", "exspec:prefix_cache_hits_total"]
+
+
+def test_prefix_cache_counters_count_prompt_tokens_as_vllm_does(server, hf_target):
+    """Queries: every admitted prompt token; hits: those whose KV came from the cache (the
+    second request finds the first one's full blocks, all but the block of its last token)."""
+    prompt = "Prefix caching counts tokens: the quick brown fox jumps over the lazy dog, twice."
+    n = len(hf_target[1](prompt, add_special_tokens=False).input_ids)
+    before = {name: scrape(server, name, model="tokenwise") for name in PREFIX_CACHE_COUNTS}
+    for _ in range(2):   # one after the other
+        call = grpc_one(server.urls["grpc"], "tokenwise", prompt=prompt, sampling={"max_tokens": 2})
+        assert len(call.ids()) == 2, call.responses
+    wait_for(lambda: scrape(server, "exspec:prefix_cache_queries_total", model="tokenwise")
+             >= before["exspec:prefix_cache_queries_total"] + 2 * n, what="the lookups' metrics")
+    delta = {name: scrape(server, name, model="tokenwise") - before[name] for name in PREFIX_CACHE_COUNTS}
+    hits = (n - 1) // 16 * 16
+    assert n > 32 and delta == {"vllm:prefix_cache_queries_total": 2 * n, "vllm:prefix_cache_hits_total": hits,
+                                "exspec:prefix_cache_queries_total": 2 * n,
+                                "exspec:prefix_cache_hits_total": hits}, (n, delta)
+
+
 def test_vllm_families_only_with_report_custom_metrics(server):
     grpc_one(server.urls["grpc"], "exspec", prompt=PROMPT, sampling={"max_tokens": 2})
     wait_for(lambda: scrape(server, "exspec:requests_total", model="exspec"), what="a request")

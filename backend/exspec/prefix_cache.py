@@ -1,0 +1,193 @@
+"""Automatic prefix caching on EXSPEC's block store (design: "Prefix caching").
+
+A full block (BLOCK_SIZE entries) of committed tokens holds KV that depends only on the tokens up
+to its end, in one model at one dtype. So once written it can serve every later sequence whose
+tokens start the same way: that sequence skips the prefill of those tokens in both models.
+
+BlockCache (one per KVStore, so per model and dtype: the store is the key's model part). A cached
+block is found by its content key (the content id of the block before it, the block's own token
+ids): dict equality, so no hash collision can ever hand out the wrong entries. Content ids are
+never reused, so a key whose parent was evicted can no longer be reached. Each cached block
+counts the tables that hold it; one no table holds waits in an LRU and is evicted only when the
+store needs a free block. Blocks are never written once full (rows write only past their own
+length), so sharing needs no copy-on-write.
+
+PrefixCaching (one per pool). At admission `lookup` finds a waiting sequence's cached prefix in
+both stores (the common length, in whole blocks, never the block that holds the last prompt
+token: its logits are needed for the first token); `claim` takes those blocks and sets the
+sequence's num_cached_target / num_cached_draft; `attach` puts them into the new group's tables.
+`register` caches the full blocks of committed tokens a row has written (after each prefill and
+when the row leaves).
+
+Admission stays sound (design: "EXSPEC scheduling"): each row reserves its peak, and a block held
+by several rows counts once (`shared_entries` is what the sum of reservations counts twice); a
+new sequence's need leaves out the cached blocks another row already holds.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # kv_blocks builds each store's BlockCache: no import back at run time
+    from .kv_blocks import BlockKV, KVStore
+
+
+class BlockCache:
+    """One store's cached blocks: content keys, reference counts and the LRU of unused ones."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size   # entries per block (kv_blocks.BLOCK_SIZE)
+        self._content_ids = itertools.count(1)   # 0: the empty prefix before a first block
+        self.by_key: dict[tuple[int, tuple[int, ...]], int] = {}   # content key -> block
+        self.key_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> its content key
+        self.content_of: dict[int, int] = {}   # block -> content id (the parent part of keys)
+        self.refs: dict[int, int] = {}          # block -> tables holding it
+        self.unused: OrderedDict[int, None] = OrderedDict()   # refs 0, least recently used first
+
+    def match(self, tokens: list[int], max_blocks: int) -> list[int]:
+        """The cached blocks holding tokens' first full blocks, up to max_blocks."""
+        blocks, parent = [], 0
+        for i in range(max_blocks):
+            block = self.by_key.get((parent, self._tokens(tokens, i)))
+            if block is None:
+                break
+            blocks.append(block)
+            parent = self.content_of[block]
+        return blocks
+
+    def _tokens(self, tokens: list[int], block: int) -> tuple[int, ...]:
+        return tuple(tokens[block * self.block_size:(block + 1) * self.block_size])
+
+    def held(self, blocks: list[int]) -> int:
+        """How many of these cached blocks some table holds already."""
+        return sum(self.refs[b] > 0 for b in blocks)
+
+    def hold(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.refs[block] += 1
+            self.unused.pop(block, None)
+
+    def register(self, blocks: list[int], tokens: list[int], start: int, parent: int) -> int:
+        """Cache blocks[start:] of one table (full, written for `tokens`), whose block start - 1
+        has content id `parent`; returns the last block's content id. A block whose content is
+        cached already in another block stays private; the chain goes on through that one."""
+        for i in range(start, len(blocks)):
+            key = (parent, self._tokens(tokens, i))
+            if key not in self.by_key:
+                block = blocks[i]
+                self.by_key[key], self.key_of[block] = block, key
+                self.content_of[block] = next(self._content_ids)
+                self.refs[block] = 1   # the table that wrote it
+            parent = self.content_of[self.by_key[key]]
+        return parent
+
+    def release(self, blocks: list[int]) -> list[int]:
+        """A table lets go of its blocks: cached ones it held lose a reference (unused ones go
+        to the LRU); returns the others, to be freed."""
+        free = []
+        for block in blocks:
+            if block in self.refs:
+                self.refs[block] -= 1
+                if self.refs[block] == 0:
+                    self.unused[block] = None
+            else:
+                free.append(block)
+        return free
+
+    def evict(self) -> int | None:
+        """The least recently used block no table holds, uncached; None when there is none."""
+        if not self.unused:
+            return None
+        block, _ = self.unused.popitem(last=False)
+        del self.by_key[self.key_of.pop(block)], self.content_of[block], self.refs[block]
+        return block
+
+    def shared_blocks(self) -> int:
+        """Holdings beyond the first of each cached block: what summing every row's
+        reservation counts twice."""
+        return sum(r - 1 for r in self.refs.values() if r > 1)
+
+
+@dataclass
+class Hit:
+    """A waiting sequence's cached prefix: its blocks per store and the entries they save."""
+    tokens: int                      # prompt tokens with cached entries in every store
+    blocks: list[list[int]]          # per store (target first), the blocks holding them
+    held_entries: int                # entries of those blocks that rows hold already (all stores)
+
+
+class PrefixCaching:
+    """The pool's prefix cache over its stores (module doc)."""
+
+    def __init__(self, stores: list[KVStore]):
+        self.stores = stores   # the target's, then the draft's if there is one
+        self.claimed: dict[int, Hit] = {}   # id(sequence) -> its hit, until `attach`
+        self.queries = 0       # prompt tokens looked up (vLLM's prefix_cache_queries)
+        self.hits = 0          # of them, tokens found cached (vLLM's prefix_cache_hits)
+
+    def lookup(self, seq) -> Hit:
+        size = self.stores[0].prefix.block_size
+        max_blocks = (seq.num_prompt_tokens - 1) // size   # the last prompt token is fed
+        found = [store.prefix.match(seq.tokens, max_blocks) for store in self.stores]
+        common = min(len(b) for b in found)
+        blocks = [b[:common] for b in found]
+        # counted once per store, as the least any store saves (every store gets the same share
+        # of the KV budget, so each stays within its share)
+        held = min(store.prefix.held(b) for store, b in zip(self.stores, blocks))
+        return Hit(common * size, blocks, held * size * len(self.stores))
+
+    def claim(self, seq, hit: Hit) -> None:
+        """Admitted: hold the hit's blocks and skip their prefill."""
+        self.queries += seq.num_prompt_tokens
+        self.hits += hit.tokens
+        if not hit.tokens:
+            return
+        for store, blocks in zip(self.stores, hit.blocks):
+            store.prefix.hold(blocks)
+        seq.num_cached_target = seq.num_cached_draft = hit.tokens
+        self.claimed[id(seq)] = hit
+
+    def attach(self, group) -> None:
+        """A new group's empty tables take its rows' claimed blocks."""
+        for row, seq in enumerate(group.seqs):
+            hit = self.claimed.pop(id(seq), None)
+            if hit is not None:
+                for kv, blocks in zip(self._caches(group), hit.blocks):
+                    table = kv.tables[row]
+                    table.blocks.extend(blocks)
+                    table.length = hit.tokens
+                    table.cached_blocks = len(blocks)
+                    table.content = kv.store.prefix.content_of[blocks[-1]]
+
+    def drop_claims(self) -> None:
+        """The tick failed between `claim` and `attach`: the claimed blocks are let go."""
+        for hit in self.claimed.values():
+            for store, blocks in zip(self.stores, hit.blocks):
+                store.free(list(blocks))
+        self.claimed.clear()
+
+    def register(self, group) -> None:
+        """Cache the full blocks of committed tokens every row of the group has written."""
+        for kv in self._caches(group):
+            for seq, table in zip(group.seqs, kv.tables):
+                full = table.length // kv.store.prefix.block_size   # entries below length are committed (I3)
+                if full > table.cached_blocks:
+                    table.content = kv.store.prefix.register(table.blocks[:full], seq.tokens,
+                                                             table.cached_blocks, table.content)
+                    table.cached_blocks = full
+
+    def shared_entries(self) -> int:
+        """Entries the sum of the rows' reservations counts more than once (all stores, each
+        as the least any store shares; see `lookup`)."""
+        shared = min(store.prefix.shared_blocks() for store in self.stores)
+        return shared * self.stores[0].prefix.block_size * len(self.stores)
+
+    def _caches(self, group) -> list[BlockKV]:
+        return [kv for kv in (group.target_kv, group.draft_kv) if kv is not None]
+
+    def stats(self) -> dict:
+        return {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits,
+                "prefix_cache_hit_rate": self.hits / self.queries if self.queries else None,
+                "prefix_cache_blocks": sum(len(s.prefix.refs) for s in self.stores)}
