@@ -36,13 +36,14 @@ test-slow: venv
 test-engine: venv real-pair
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/engine
 
-# The engine on the real pair (SmolLM2-135M-Instruct, chat questions through its template) side
-# by side with the target alone, then the toy pair likewise, then the toy pair in a real tritonserver:
-# one gRPC stream, one curl generate_stream, one unary infer, and the server stopped.
+# The real pair (SmolLM2-135M-Instruct and its stand-in draft; chat questions through its own
+# template): in the engine, side by side with the target alone; then in a real tritonserver,
+# speculative and autoregressive requests side by side over a gRPC stream, one curl
+# generate_stream, the OpenAI frontend where its sources are present, and the server stopped.
+# The toy pair (fast tests) runs with `python -m exspec.demo.engine`.
 demo: venv real-pair
 	$(BIN)/python -m exspec.demo.engine --real --num-prompts 3 --batch-size 1 -k 4 --max-tokens 64
-	$(BIN)/python -m exspec.demo.engine
-	$(BIN)/python -m exspec.demo.server
+	$(BIN)/python -m exspec.demo.server --max-tokens 64 -k 4
 
 # A real tritonserver on model_repository/ (127.0.0.1 only, ports 8000/8001/8002; exspec-serve
 # --host 0.0.0.0 listens on every interface); Ctrl-C stops it.

@@ -1,9 +1,10 @@
 """`python -m exspec.demo.engine`: the engine on a model pair, speculative vs target-only, side by side.
 
-With --real, the real pair (SmolLM2-135M-Instruct and a draft made from it, exspec.real_pair)
-on chat questions through its own chat template. Otherwise the toy pair: the shipped demo pair
-(model_repository/exspec/1/demo) when present, else a small seeded pair built locally. Prints both outputs, whether they match token for token, the
-acceptance rate and tokens/s of each.
+With --real, the real pair (SmolLM2-135M-Instruct and a stand-in draft made from it,
+exspec.real_pair) on chat questions through its own chat template. Otherwise the toy pair, a
+tiny code model for fast tests: the shipped demo pair (model_repository/exspec/1/demo) when
+present, else a small seeded pair built locally. Prints which pair it runs, both outputs,
+whether they match token for token, the acceptance rate, tokens/s of each and the speed-up.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from .. import EngineConfig, LLMEngine, SamplingParams
 
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
 FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in range(10):\n"]
+REAL_PAIR = ("real pair: SmolLM2-135M-Instruct (float32) with a stand-in draft (its first 2 "
+             "layers, not a trained draft)")
+TOY_PAIR = "toy pair: a tiny code model for fast tests, not an assistant"
 
 
 def _pair_dir(args) -> tuple[Path, list[str]]:
@@ -77,6 +81,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     pair, prompts = _pair_dir(args)
+    print(f"{REAL_PAIR if args.real else 'given pair' if args.pair else TOY_PAIR} ({pair})")
     prompts = prompts[:args.num_prompts]
     params = SamplingParams(max_tokens=args.max_tokens)
     spec, spec_tps, acceptance = _run(pair, args.method, prompts, params, args.k, args.batch_size)
@@ -90,7 +95,7 @@ def main(argv=None) -> int:
         print(f"[identical token ids: {s.token_ids == b.token_ids}]")
     print(f"\n{args.method}: {spec_tps:.1f} tokens/s, acceptance rate "
           f"{acceptance if acceptance is None else round(acceptance, 3)}; target only: "
-          f"{base_tps:.1f} tokens/s; batch size {args.batch_size}; "
+          f"{base_tps:.1f} tokens/s; speed-up {spec_tps / base_tps:.2f}x; batch size {args.batch_size}; "
           f"{same}/{len(prompts)} outputs identical to target-only greedy")
     return 0 if same == len(prompts) else 1
 

@@ -1,104 +1,157 @@
-"""`python -m exspec.demo.server`: the exspec backend in a real tritonserver, as a client sees it.
+"""`python -m exspec.demo.server`: the real pair in a real tritonserver, as a client sees it.
 
-Starts tritonserver on model_repository/ through the launcher (free ports), then
-  1. streams one completion over gRPC (tritonclient, decoupled model `exspec`),
-  2. streams one over HTTP generate_stream with curl,
-  3. answers one unary infer (tritonclient HTTP, front model `exspec_unary`),
-and stops the server. Until the trained demo pair is in model_repository/exspec/1/demo, it
-serves a copy of the repository with a small seeded pair (exspec.demo.tiny) in its place.
+Serves SmolLM2-135M-Instruct with its stand-in draft (exspec.real_pair, set up once) as model
+`exspec` on free ports through the launcher, then
+  1. streams each chat question over gRPC (tritonclient), once speculative and once with
+     `num_speculative_tokens: 0` (the same server decoding autoregressively), the two
+     alternating so both meet the same load: the streamed text, tokens/s, acceptance and the
+     speed-up,
+  2. streams one question over HTTP generate_stream with curl,
+  3. asks one as a chat completion through Triton's OpenAI frontend (exspec-openai) where its
+     sources are present ($TRITON_OPENAI_FRONTEND), else says so and skips,
+and stops the server. Questions 1 and 2 are rendered through the model's own chat template
+(ChatML) here; the OpenAI frontend renders its chat with the same template.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..real_pair import QUESTIONS, chat_prompt, ensure_pair
 from ..serving.launcher import TritonServer
+from ..serving.openai_frontend import DEFAULT_FRONTEND
+from ..serving.ports import reserve_ports
 
 REPOSITORY = Path(__file__).resolve().parents[3] / "model_repository"
-FALLBACK_PROMPT = "def add(a, b):\n"
+MODEL = "exspec"
+DEMO_QUESTIONS = [QUESTIONS[0][1], QUESTIONS[4][1], QUESTIONS[8][1]]   # coding, qa, writing
 
 
-def _repository(work: Path) -> Path:
-    demo = REPOSITORY / "exspec" / "1" / "demo"
-    if (demo / "target" / "config.json").exists() and (demo / "draft" / "config.json").exists():
-        return REPOSITORY
-    from .tiny import build_demo_pair
-    copy = work / "model_repository"
-    shutil.copytree(REPOSITORY, copy, ignore=shutil.ignore_patterns("demo", "__pycache__"))
-    print(f"(no trained demo pair in {demo}; serving a small seeded pair from {copy})")
-    build_demo_pair(copy / "exspec" / "1" / "demo")
-    return copy
+def _repository(work: Path, pair: Path, k: int) -> Path:
+    """A model repository with the shipped config.pbtxt and a model.json naming the real pair."""
+    model = work / "models" / MODEL
+    (model / "1").mkdir(parents=True)
+    shutil.copy(REPOSITORY / MODEL / "config.pbtxt", model / "config.pbtxt")
+    (model / "1" / "model.json").write_text(json.dumps({
+        "target_model": str(pair / "target"), "draft_model": str(pair / "draft"),
+        "tokenizer": str(pair / "target"), "method": "exspec", "num_speculative_tokens": k,
+        "max_batch_size": 4, "dtype": "float32"}, indent=1))
+    return work / "models"
 
 
-def _prompt(repository: Path) -> str:
-    prompts = repository / "exspec" / "1" / "demo" / "prompts.jsonl"
-    if prompts.exists():
-        for line in prompts.read_text().splitlines():
-            if line.strip():
-                return json.loads(line)["turns"][0]
-    return FALLBACK_PROMPT
+@dataclass
+class Answer:
+    """One streamed gRPC request: its text, token count, wall time and draft counts."""
+    text: str
+    tokens: int
+    seconds: float
+    drafted: int
+    accepted: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
 
 
-def _grpc_stream(url: str, prompt: str, max_tokens: int) -> None:
+def _grpc_answer(client, events: queue.Queue, prompt: str, sampling: dict, echo: bool) -> Answer:
+    """One request on an open gRPC stream, waited for to its final response."""
     import numpy as np
     import tritonclient.grpc as grpcclient
 
-    print(f"\n== 1. gRPC stream (tritonclient, model exspec, {url})")
-    events: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
     text = grpcclient.InferInput("text_input", [1], "BYTES")
     text.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
-    stream = grpcclient.InferInput("stream", [1], "BOOL")
-    stream.set_data_from_numpy(np.array([True]))
     params = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
-    params.set_data_from_numpy(np.array([json.dumps({"max_tokens": max_tokens}).encode()],
-                                        dtype=np.object_))
-    reason = grpcclient.InferInput("return_finish_reason", [1], "BOOL")
-    reason.set_data_from_numpy(np.array([True]))
+    params.set_data_from_numpy(np.array([json.dumps(sampling).encode()], dtype=np.object_))
+    inputs = [text, params]
+    for name in ("stream", "exclude_input_in_output"):
+        inputs.append(grpcclient.InferInput(name, [1], "BOOL"))
+        inputs[-1].set_data_from_numpy(np.array([True]))
     start = time.perf_counter()
-    client.async_stream_infer("exspec", [text, stream, params, reason], request_id="demo",
-                              enable_empty_final_response=True)
-    pieces = 0
-    sys.stdout.write(prompt)
+    client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+    pieces, tokens = [], 0
     while True:
-        result, error = events.get(timeout=300)
+        result, error = events.get(timeout=600)
         if error is not None:
             raise RuntimeError(f"stream failed: {error}")
         response = result.get_response()
         if response.outputs:
-            sys.stdout.write(result.as_numpy("text_output")[0].decode())
-            sys.stdout.flush()
-            pieces += 1
+            pieces.append(result.as_numpy("text_output")[0].decode())
+            tokens += len(result.as_numpy("output_ids"))
+            if echo:
+                sys.stdout.write(pieces[-1])
+                sys.stdout.flush()
+            last = result
         if response.parameters["triton_final_response"].bool_param:
             break
-    client.stop_stream()
-    client.close()
     seconds = time.perf_counter() - start
-    print(f"\n-- {pieces} streamed responses in {seconds:.2f} s; finish_reason "
-          f"{result.as_numpy('finish_reason')[0].decode()}, acceptance rate "
-          f"{float(result.as_numpy('acceptance_rate')[0]):.2f} "
-          f"({int(result.as_numpy('total_accepted_draft_tokens')[0])}/"
-          f"{int(result.as_numpy('total_draft_tokens')[0])} draft tokens)")
+    return Answer("".join(pieces), tokens, seconds,
+                  int(last.as_numpy("total_draft_tokens")[0]),
+                  int(last.as_numpy("total_accepted_draft_tokens")[0]))
+
+
+def _grpc_side_by_side(url: str, prompts: list[str], max_tokens: int, k: int) -> None:
+    import tritonclient.grpc as grpcclient
+
+    print(f"\n== 1. gRPC stream (tritonclient, model {MODEL}, {url}): each question speculative "
+          f"(adaptive k <= {k}) and autoregressive (num_speculative_tokens 0), greedy, one at a time")
+    greedy = {"max_tokens": max_tokens, "temperature": 0}
+    modes = {"speculative": greedy, "autoregressive": {**greedy, "num_speculative_tokens": 0}}
+    answers = {mode: [] for mode in modes}
+    events: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    try:
+        # one short untimed request first: the first step of each kind pays one-off costs
+        _grpc_answer(client, events, prompts[0], {"max_tokens": 8}, echo=False)
+        for i, prompt in enumerate(prompts):
+            print(f"\n--- question {i + 1}: {DEMO_QUESTIONS[i]!r} (streamed, speculative)\n")
+            # alternate which goes first, so neither always meets the same moment of the host
+            for mode in sorted(modes, reverse=bool(i % 2)):
+                answers[mode].append(_grpc_answer(client, events, prompt, modes[mode],
+                                                  echo=mode == "speculative"))
+            spec, plain = answers["speculative"][-1], answers["autoregressive"][-1]
+            print(f"\n[speculative: {spec.tokens} tokens, {spec.tokens_per_s:.1f} tokens/s, "
+                  f"acceptance {spec.accepted}/{spec.drafted}; autoregressive: "
+                  f"{plain.tokens_per_s:.1f} tokens/s; same text: {spec.text == plain.text}]")
+    finally:
+        client.stop_stream()
+        client.close()
+    rate = {mode: sum(a.tokens for a in runs) / sum(a.seconds for a in runs)
+            for mode, runs in answers.items()}
+    drafted = sum(a.drafted for a in answers["speculative"])
+    accepted = sum(a.accepted for a in answers["speculative"])
+    same = sum(s.text == p.text for s, p in zip(answers["speculative"], answers["autoregressive"]))
+    tokens = sum(a.tokens for a in answers["speculative"])
+    print(f"\n-- served, B = 1, adaptive k <= {k}: speculative {rate['speculative']:.1f} tokens/s, "
+          f"autoregressive {rate['autoregressive']:.1f} tokens/s, speed-up "
+          f"{rate['speculative'] / rate['autoregressive']:.2f}x; acceptance "
+          f"{accepted / drafted if drafted else 0:.2f} ({accepted} of {drafted} drafted tokens "
+          f"for {tokens} committed); {same}/{len(prompts)} answers identical to autoregressive."
+          f"\n   The draft is a stand-in (the target's first 2 layers), not a trained draft: "
+          f"adaptive k drafts only while drafting pays. Wall times include the round trips.")
 
 
 def _curl_stream(http: str, prompt: str, max_tokens: int) -> None:
     body = json.dumps({"text_input": prompt, "stream": True, "max_tokens": max_tokens,
-                       "return_finish_reason": True})
-    cmd = ["curl", "-sN", "-X", "POST", f"{http}/v2/models/exspec/generate_stream", "-d", body]
+                       "exclude_input_in_output": True, "return_finish_reason": True})
+    cmd = ["curl", "-sN", "-X", "POST", f"{http}/v2/models/{MODEL}/generate_stream", "-d", body]
     print(f"\n== 2. HTTP generate_stream\n$ {shlex.join(cmd)}")
     if not shutil.which("curl"):
         print("(curl not installed; skipped)")
         return
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     lines = [line for line in out.stdout.splitlines() if line.startswith("data: ")]
     for line in lines[:3]:
         print(line)
@@ -109,39 +162,83 @@ def _curl_stream(http: str, prompt: str, max_tokens: int) -> None:
     print(f"-- joined text: {joined!r}")
 
 
-def _unary(http: str, prompt: str, max_tokens: int) -> None:
-    import numpy as np
-    import tritonclient.http as httpclient
+def _openai_chat(repository: Path, question: str, max_tokens: int) -> None:
+    """A streamed chat completion through exspec-openai, when Triton's frontend is here."""
+    frontend = Path(os.environ.get("TRITON_OPENAI_FRONTEND", DEFAULT_FRONTEND))
+    print("\n== 3. OpenAI chat completion (Triton's OpenAI frontend, exspec-openai)")
+    if not (frontend / "main.py").is_file():
+        print(f"(skipped: Triton's OpenAI frontend is not on this machine ({frontend}/main.py); "
+              "it ships in NGC images; elsewhere set TRITON_OPENAI_FRONTEND and "
+              "EXSPEC_OPENAI_PYTHON: docs/serving.md, \"Triton's OpenAI frontend\")")
+        return
+    with reserve_ports(1, host="127.0.0.1") as (port,):
+        pass
+    python = os.environ.get("EXSPEC_OPENAI_PYTHON", sys.executable)
+    log = repository.parent / "openai.log"
+    proc = subprocess.Popen([sys.executable, "-m", "exspec.serving.openai_frontend",
+                             "--model-repository", str(repository), "--frontend", str(frontend),
+                             "--python", python, "--openai-port", str(port)],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, url + "/health/ready", log)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": question}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        print(f"POST {url}/v1/chat/completions {json.dumps(body)}")
+        request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            for line in response:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        sys.stdout.write(choice.get("delta", {}).get("content") or "")
+                        sys.stdout.flush()
+        print()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
 
-    print(f"\n== 3. unary infer (tritonclient HTTP, model exspec_unary, {http})")
-    client = httpclient.InferenceServerClient(http.replace("http://", ""))
-    text = httpclient.InferInput("text_input", [1], "BYTES")
-    text.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
-    result = client.infer("exspec_unary", [text], parameters={"max_tokens": max_tokens})
-    client.close()
-    print(result.as_numpy("text_output")[0].decode())
-    print(f"-- {len(result.as_numpy('output_ids'))} tokens, acceptance rate "
-          f"{float(result.as_numpy('acceptance_rate')[0]):.2f}")
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exspec-openai exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"exspec-openai not ready in {timeout_s:.0f} s (log: {log})")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m exspec.demo.server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--prompt", default=None)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("-k", type=int, default=4, help="the most speculative tokens per step")
+    parser.add_argument("--num-questions", type=int, default=len(DEMO_QUESTIONS),
+                        choices=range(1, len(DEMO_QUESTIONS) + 1))
     args = parser.parse_args(argv)
+    from transformers import AutoTokenizer
+    pair = ensure_pair()
+    tokenizer = AutoTokenizer.from_pretrained(pair / "target")
+    prompts = [chat_prompt(tokenizer, q) for q in DEMO_QUESTIONS[:args.num_questions]]
     with tempfile.TemporaryDirectory(prefix="exspec-demo-") as tmp:
-        repository = _repository(Path(tmp))
-        prompt = args.prompt or _prompt(repository)
-        print(f"starting tritonserver on {repository} ...", flush=True)
+        repository = _repository(Path(tmp), pair, args.k)
+        print(f"starting tritonserver: SmolLM2-135M-Instruct (float32) with a stand-in draft, "
+              f"from {pair} ...", flush=True)
         started = time.perf_counter()
         with TritonServer(repository, free_ports=True, startup_timeout_s=600,
                           log_path=Path(tmp) / "tritonserver.log") as server:
             print(f"ready in {time.perf_counter() - started:.1f} s: HTTP {server.urls['http']}, "
                   f"gRPC {server.urls['grpc']}, metrics {server.urls['metrics']}")
-            _grpc_stream(server.urls["grpc"], prompt, args.max_tokens)
-            _curl_stream(server.urls["http"], prompt, args.max_tokens)
-            _unary(server.urls["http"], prompt, args.max_tokens)
+            _grpc_side_by_side(server.urls["grpc"], prompts, args.max_tokens, args.k)
+            _curl_stream(server.urls["http"], prompts[-1], args.max_tokens)
+            _openai_chat(repository, DEMO_QUESTIONS[0], args.max_tokens)
             print("\nstopping tritonserver ...")
         print("stopped.")
     return 0
