@@ -109,11 +109,15 @@ class SequencePool:
             if count:
                 whole.append(seq)
             else:   # longer than what the tick has left: fed in chunks, from below on
-                self.prefilling.append(self._new_group([seq]))
+                group, failed = self._new_group([seq])
+                touched += failed
+                if group is not None:
+                    self.prefilling.append(group)
         if whole:   # short prompts (past any cached prefix): one batched forward
             counts = [s.num_prompt_tokens - s.num_cached_target for s in whole]
             budget = None if budget is None else budget - sum(counts)
-            touched += self._prefill(self._new_group(whole), counts)
+            group, failed = self._new_group(whole)
+            touched += failed if group is None else self._prefill(group, counts)
         more, _ = self._feed_chunks([g for g in self.prefilling if g not in starved], budget)
         return touched + more
 
@@ -133,11 +137,19 @@ class SequencePool:
             touched += self._prefill(group, [count])
         return touched, budget
 
-    def _new_group(self, seqs: list[Sequence]) -> Group:
-        group = self.runner.new_group(seqs)
+    def _new_group(self, seqs: list[Sequence]) -> tuple[Group | None, list[Touched]]:
+        """A group for admitted rows, or None and their failed outputs when its caches cannot
+        be made (they have left `waiting` already: failing them here is what keeps them from
+        being lost)."""
+        try:
+            group = self.runner.new_group(seqs)
+        except Exception:
+            if self.prefix is not None:
+                self.prefix.drop_claims(seqs)
+            return None, self._fail(seqs, traceback.format_exc(limit=3))
         if self.prefix is not None:   # rows start from their cached prefix's blocks
             self.prefix.attach(group)
-        return group
+        return group, []
 
     def finish_tick(self) -> list[Touched]:
         if self.planned is None:

@@ -161,12 +161,13 @@ class PrefixCaching:
                     table.cached_blocks = len(blocks)
                     table.content = kv.store.prefix.content_of[blocks[-1]]
 
-    def drop_claims(self) -> None:
-        """The tick failed between `claim` and `attach`: the claimed blocks are let go."""
-        for hit in self.claimed.values():
-            for store, blocks in zip(self.stores, hit.blocks):
+    def drop_claims(self, seqs=None) -> None:
+        """The tick failed between `claim` and `attach` (for `seqs`, or every row): the
+        claimed blocks are let go."""
+        for key in [id(s) for s in seqs] if seqs is not None else list(self.claimed):
+            hit = self.claimed.pop(key, None)
+            for store, blocks in zip(self.stores, hit.blocks if hit else []):
                 store.free(list(blocks))
-        self.claimed.clear()
 
     def register(self, group) -> None:
         """Cache the full blocks of committed tokens every row of the group has written."""

@@ -6,6 +6,7 @@ import threading
 import weakref
 
 import pytest
+import torch
 
 from exspec import EngineBusyError, SamplingParams
 from exspec import kv as kv_module
@@ -184,6 +185,29 @@ def test_a_failing_group_fails_alone(pairs, reference, monkeypatch):
         assert out.finish_reason in ("stop", "length")
         assert out.num_output_tokens == len(reference(pairs["llama", "target"], p, 10))
     assert engine.stats()["pool_seqs"] == 0
+
+
+@pytest.mark.parametrize("method", ["exspec", "eqspec"])
+def test_rows_whose_caches_cannot_be_made_fail_and_are_not_lost(pairs, reference, monkeypatch, method):
+    """Admitted rows leave the queue before their group's caches are made: when making them
+    fails (out of memory, say), those rows end with the error, the tick goes on, and later
+    requests are served (before, they were neither waiting nor running: generate hung)."""
+    engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=2, max_num_seqs=8)
+    new_group = engine.runner.new_group
+
+    def failing_once(seqs):
+        if any(s.request_id == "unlucky" for s in seqs):
+            raise torch.OutOfMemoryError("injected: no memory for the new group's caches")
+        return new_group(seqs)
+    monkeypatch.setattr(engine.runner, "new_group", failing_once)
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=31, count=3)
+    engine.add_request("unlucky", prompts[0], SamplingParams(max_tokens=6))
+    final = {o.request_id: o for o in engine.step() if o.finished}
+    assert final["unlucky"].finish_reason == "error" and "no memory" in final["unlucky"].error
+    outs = engine.generate(prompts[1:], SamplingParams(max_tokens=6))
+    for out, prompt in zip(outs, prompts[1:]):
+        assert out.token_ids == reference(pairs["llama", "target"], prompt, 6)
+    assert not engine.has_unfinished() and engine.stats()["pool_seqs"] == 0
 
 
 def test_intake_from_another_thread_while_stepping(pairs):
