@@ -158,8 +158,10 @@ class AdaptiveK:
     def observe(self, batch: int, k: int, seconds: float, draft_seconds: float,
                 accepted: list[int], proposed: list[int] | None = None) -> None:
         """A step at k took `seconds`, `draft_seconds` of them drafting; `proposed`: per row,
-        the drafts it verified when rows differ (n-gram), else k each. A row that proposed
-        nothing measured no depth."""
+        the drafts it verified when rows differ (n-gram), else k each. A proposal that ended
+        at n < k yielded nothing at depth n + 1: that depth counts as verified and rejected, so
+        the hazards give what a row-step commits (a proposer that seldom matches yields little,
+        and plain decoding wins where it is cheaper)."""
         b = self.bucket(batch)
         if k == 0:
             if b in self.rest:
@@ -177,9 +179,10 @@ class AdaptiveK:
         self.verified = [d * v for d, v in zip(decays, self.verified)]
         self.rejected = [d * r for d, r in zip(decays, self.rejected)]
         for a, n in zip(accepted, proposed):
-            for j in range(min(a + 1, n, self.max_k)):   # drafts 1 .. a+1 were verified
+            # drafts 1 .. a+1 were verified (depth n + 1 of a short proposal: nothing to accept)
+            for j in range(min(a + 1, k)):
                 self.verified[j] += 1.0
-            if a < n:
+            if a < k:
                 self.rejected[a] += 1.0
 
 

@@ -20,6 +20,7 @@ from exspec.runner import ModelRunner
 from exspec.scheduler import AdaptiveK
 
 from enginekit import assert_equivalent, assert_seeded_equivalent, make_engine, make_prompts
+from test_pool import G
 from test_transfers import assert_within_budget, audited_run
 
 CYCLE, LEAK, GAIN = 6, 0.01, 8.0
@@ -176,16 +177,22 @@ def test_each_row_feeds_the_target_only_its_own_proposal(pairs, cyclic, method):
     assert any(fed_here == len(rows) == 2 for fed_here, rows in zip(fed, steps)), "no step was plain"
 
 
-def test_adaptive_k_counts_only_the_depths_a_row_proposed():
-    """A row that proposed nothing is no rejection at depth 1; one that proposed 2 and kept
-    both verified depths 1-2 only."""
+def test_adaptive_k_counts_a_proposal_that_ends_early_as_rejected_after_it():
+    """A row that proposed n < k drafts committed nothing at depth n + 1, so the hazards give
+    the yield per row-step, rows without a match included: a proposer that seldom matches
+    loses to a cheaper plain step (counting only the rows that proposed, it kept speculating on
+    open-ended prompts at B = 8 on the real pair: 0.90x autoregressive)."""
     adaptive = AdaptiveK(4)
-    adaptive.observe(batch=3, k=4, seconds=1.0, draft_seconds=0.1, accepted=[4, 0, 2], proposed=[4, 0, 2])
-    assert adaptive.rejected == [0.0] * 4
-    assert adaptive.verified == [2.0, 2.0, 1.0, 1.0]
-    drafted = AdaptiveK(4)   # the draft model's rule: every row drafted k
-    drafted.observe(batch=3, k=4, seconds=1.0, draft_seconds=0.1, accepted=[4, 0, 2])
-    assert drafted.rejected[0] == 1.0 and drafted.rejected[2] == 1.0
+    adaptive.observe(batch=3, k=4, seconds=1.0, draft_seconds=0.0, accepted=[4, 0, 2], proposed=[4, 0, 2])
+    assert adaptive.verified == [3.0, 2.0, 2.0, 1.0]
+    assert adaptive.rejected == [1.0, 0.0, 1.0, 0.0]
+    # 8 rows: one matches and keeps all 4 proposals every step, 7 propose nothing
+    seldom = AdaptiveK(4)
+    for _ in range(30):
+        seldom.observe(8, 4, 1.6, 0.0, [4] + [0] * 7, [4] + [0] * 7)
+    seldom.observe(8, 0, 1.0, 0.0, [0] * 8)          # a plain step: 1 / 1.6 of a speculative one
+    assert seldom.tokens_by_k(seldom.acceptance)[4] < 1.6   # 1 + 4/8 measured, not 5
+    assert seldom.choose(G(8, 4, seldom.acceptance), 4) == 0
 
 
 def test_adaptive_k_keeps_speculating_on_repeats(pairs, cyclic):
