@@ -33,7 +33,7 @@ WORKDIR /opt/exspec
 # its own tritonserver.
 RUN python3 -m pip install --index-url ${TORCH_INDEX_URL} torch==2.13.0 && \
     python3 -m pip install transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 \
-        numpy==1.26.4 tqdm==4.70.1 accelerate==1.15.0
+        numpy==1.26.4 tqdm==4.70.1 accelerate==1.15.0 llguidance==1.9.1
 
 # The engine as a package, then the one install step (the same one the launcher and CI use)
 # lays out /opt/tritonserver/backends/exspec beside the image's own Python backend and stub.

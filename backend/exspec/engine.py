@@ -33,8 +33,9 @@ from .prefix_cache import PrefixCaching
 from .runner import ModelRunner
 from .sequence import Sequence
 from .stats import Stats
+from .structured_output import Grammars
 from .threads import apply_threads, choose_threads
-from .vocab import PaddedVocab, check_vocabularies
+from .vocab import PaddedVocab, check_vocabularies, logit_rows
 
 
 def _load_libc():
@@ -92,6 +93,7 @@ class LLMEngine:
         self.tokenizer = pair.tokenizer
         self.target, self.draft = pair.target, pair.draft
         self.eos_ids = pair.eos_ids
+        self.grammars = Grammars(self.tokenizer, self.eos_ids, logit_rows(self.target))
         self.max_model_len = pair.max_model_len
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len - 1,
                                      self.max_model_len - 1)
@@ -214,7 +216,9 @@ class LLMEngine:
                         self.max_model_len, self.eos_ids,
                         Detokenizer(self.tokenizer, params.stop, start=len(prompt_ids)),
                         seed, self.config.sampling_coupling,
-                        bad_words_token_ids(self.tokenizer, params.bad_words or []))
+                        bad_words_token_ids(self.tokenizer, params.bad_words or []),
+                        None if params.structured_outputs is None
+                        else self.grammars.compile(params.structured_outputs))
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import InvalidRequestError
+from .structured_output import StructuredOutput
 
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64
 MAX_LOGPROBS = 20   # vLLM's default max_logprobs
@@ -35,6 +36,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its raw logit
     allowed_token_ids: list[int] | None = None   # only these tokens may be chosen
     bad_words: list[str] | None = None  # words never generated (vLLM's tokenisation)
+    # vLLM's structured outputs: {json | regex | choice | grammar | json_object} (a dict, its
+    # JSON text, or a StructuredOutput); structured_output.py
+    structured_outputs: StructuredOutput | dict | str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -43,6 +47,7 @@ class SamplingParams:
             self.logit_bias = {_token_id(k): v for k, v in self.logit_bias.items()} or None
         if self.bad_words == []:   # vLLM's neutral spellings: empty is absent
             self.bad_words = None
+        self.structured_outputs = StructuredOutput.parse(self.structured_outputs)
         self.validate()
 
     @property

@@ -26,6 +26,7 @@ from .noise import gumbel
 from .sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
 from .sequence import Sequence
 from .stats import Stats
+from .structured_output import allowed, apply_masks, stage_masks
 from .transfer import Transfers, Upload, floats_from_bits
 from .vocab import PaddedVocab, logit_rows
 
@@ -39,6 +40,7 @@ class StepInputs:
     start: torch.Tensor      # [B] its position
     caps: torch.Tensor       # [B] the row's k cap
     uniforms: torch.Tensor | None   # [B, 2k + 1] rejection sampling's
+    masks: torch.Tensor | None      # [B, T, V] the grammars' allowed tokens per verified position
 
 
 @dataclass
@@ -216,13 +218,14 @@ class ModelRunner:
         group's, kept, when every row finishes), the rows' index when only some do, and under
         rejection sampling their uniforms. Returns the sections' indices."""
         if not rows:
-            return None, None, None
+            return None, None, None, None, None
         seqs = [group.seqs[i] for i in rows]
         whole = len(rows) == len(group)
         sampling = None if (whole and group.sampling is not None) else self._stage_sampling(upload, seqs)
         index = None if whole else upload.add(rows, len(rows))
         u = None if self._coupled_params(seqs) else self._stage_uniforms(upload, seqs, 1)
-        return sampling, index, u, self._stage_processing(upload, seqs)
+        return (sampling, index, u, self._stage_processing(upload, seqs),
+                stage_masks(upload, seqs, None, 1))
 
     def _first_tokens(self, group: Group, logits: torch.Tensor, rows: list[int],
                       next_pos: torch.Tensor, staged, sent: list[torch.Tensor]) -> None:
@@ -230,7 +233,7 @@ class ModelRunner:
         (next_pos [B]: each row's next position, on the device; `staged`: the sections of
         `_stage_first_tokens` in `sent`)."""
         seqs = [group.seqs[i] for i in rows]
-        sampling_at, index_at, u_at, processing_at = staged
+        sampling_at, index_at, u_at, processing_at, masks_at = staged
         if index_at is None:   # every row: the group's settings, kept for its steps
             if group.sampling is None:
                 group.sampling = self._sampling_sent(sent, sampling_at, seqs)
@@ -242,6 +245,8 @@ class ModelRunner:
         scores = logits[:, :1]
         if processing_at is not None:   # the history is the prompt alone
             scores = RowProcessing(sent, processing_at, seqs, self.logits_width).apply(scores)
+        if masks_at is not None:   # the grammar's start state
+            scores = apply_masks(scores, allowed(sent, masks_at, len(seqs), self.logits_width))
         first, _ = self._pick(scores[:, 0], sampling, self._noise(sampling, next_pos, 1), u)
         lp = token_logprobs(logits[:, :1], first[:, None], [s.params.logprobs for s in seqs])
         for row, (seq, token) in enumerate(zip(seqs, self.transfers.to_host(first))):
@@ -269,6 +274,9 @@ class ModelRunner:
         if self.proposer is not None and k > 0:
             with self.stats.timer("draft"):
                 proposals = [self.proposer.propose(s.tokens, s.drafts_at(k)) for s in seqs]
+                # a constrained row proposes only what its grammar accepts
+                proposals = [p if s.grammar is None else p[:s.grammar.valid_prefix(p)]
+                             for s, p in zip(seqs, proposals)]
             k = max(map(len, proposals))
             if k == 0:   # no row found a match: a plain step
                 proposals = None
@@ -282,10 +290,11 @@ class ModelRunner:
         noise = self._noise(rows, start + 1, k + 1)   # gumbel: positions m .. m+k, draft and target alike
 
         draft_tokens = q = bins = None
+        masks = inputs.masks
         if k > 0 and proposals is None:
             with self.stats.timer("draft"):
-                draft_tokens, q, bins = self._draft(group, k, rows, u, noise, inputs.draft, start + 1,
-                                                    stop if coupled else None)
+                draft_tokens, q, bins, masks = self._draft(group, k, rows, u, noise, inputs.draft,
+                                                           start + 1, stop if coupled else None, masks)
             if draft_tokens.shape[1] < k:   # the round stopped at an unsure draft
                 self.stats.add("draft_stopped_steps")
                 k = draft_tokens.shape[1]
@@ -294,10 +303,10 @@ class ModelRunner:
         with self.stats.timer("verify"):
             if proposals is None:
                 num_accepted, tokens, lp = self._verify(group, k, rows, coupled, u, noise, pending,
-                                                        start, draft_tokens, q)
+                                                        start, draft_tokens, q, masks)
             else:
                 num_accepted, tokens, lp = self._verify_ragged(group, k, rows, coupled, u, noise,
-                                                               inputs.draft, caps)
+                                                               inputs.draft, caps, masks)
             # the step's one device-to-host copy
             host = self.transfers.to_host(torch.cat([num_accepted[:, None], tokens]
                                                     + ([] if bins is None else [bins]), dim=1))
@@ -349,6 +358,9 @@ class ModelRunner:
         processing_at = self._stage_processing(upload, seqs) if group.processing is None else None
         coupled = self._coupled_params(seqs)
         u_at = None if coupled else self._stage_uniforms(upload, seqs, 2 * k + 1)
+        # the grammars' masks: at every verified position for proposals known here (n-gram), at
+        # the first for a draft model's (the rest follow its drafts, `_draft`)
+        masks_at = stage_masks(upload, seqs, proposals, k + 1 if proposals is not None else 1)
         sent = upload.send(self.transfers)
 
         if group.sampling is None:
@@ -360,10 +372,11 @@ class ModelRunner:
         return StepInputs(
             catch_up=None if catch_up is None else self._ragged(sent[catch_up[1]], catch_up[0]),
             draft=self._ragged(sent[draft_at], tails), pending=columns[0], start=columns[1],
-            caps=columns[2], uniforms=None if u_at is None else floats_from_bits(sent[u_at]))
+            caps=columns[2], uniforms=None if u_at is None else floats_from_bits(sent[u_at]),
+            masks=None if masks_at is None else allowed(sent, masks_at, len(seqs), self.logits_width))
 
     def _verify(self, group: Group, k: int, rows: RowSampling, coupled: bool, u, noise,
-                pending, start, draft_tokens, q):
+                pending, start, draft_tokens, q, masks=None):
         """One target forward over [pending, d1..dk] per row; returns the accepted draft counts
         [B], the step's tokens [B, k+1] (row b commits tokens[b, :accepted + 1]) and the
         logprobs asked for."""
@@ -372,10 +385,10 @@ class ModelRunner:
         pos = start[:, None] + torch.arange(k + 1, device=self.device)
         valid = torch.ones_like(ids, dtype=torch.bool)
         logits = self._forward(self.target, group.target_kv, ids, pos, valid, [k + 1] * len(seqs), keep=k + 1)
-        return self._accept(group, k, rows, coupled, u, noise, logits, draft_tokens, q)
+        return self._accept(group, k, rows, coupled, u, noise, logits, draft_tokens, q, masks)
 
     def _verify_ragged(self, group: Group, k: int, rows: RowSampling, coupled: bool, u, noise,
-                       verify_in, proposed):
+                       verify_in, proposed, masks=None):
         """One target forward over each row's own [pending, proposal] (left-padded to k + 1;
         `proposed` [B]: each row's proposal length, on the device): a row without a proposal
         feeds one real token, and its pads are invalid inputs, as in a ragged prefill (never
@@ -392,15 +405,17 @@ class ModelRunner:
         logits = logits.gather(1, shifted[..., None].expand(-1, -1, logits.shape[-1]))
         draft_tokens = ids.gather(1, shifted)[:, 1:]
         q = None if coupled else torch.nn.functional.one_hot(draft_tokens, logits.shape[-1]).float()
-        return self._accept(group, k, rows, coupled, u, noise, logits, draft_tokens, q)
+        return self._accept(group, k, rows, coupled, u, noise, logits, draft_tokens, q, masks)
 
     def _accept(self, group: Group, k: int, rows: RowSampling, coupled: bool, u, noise, logits,
-                draft_tokens, q):
+                draft_tokens, q, masks=None):
         """The accepted draft counts [B], the step's tokens [B, k+1] and the logprobs asked for,
-        from the target's logits [B, k+1, V] at each row's verified positions."""
+        from the target's logits [B, k+1, V] at each row's verified positions (`masks` [B, k+1,
+        V]: the tokens each row's grammar allows there)."""
         seqs, processing = group.seqs, group.processing
-        # position j's processing sees the drafts before it, as a target-only run would
+        # position j's processing and grammar see the drafts before it, as a target-only run would
         scores = logits if processing is None else processing.apply(logits, draft_tokens)
+        scores = apply_masks(scores, masks)
         if coupled:   # the target's token at every position; accept while the draft agrees
             tokens = coupled_tokens(scores, rows, noise)
             matches = draft_tokens == tokens[:, :k] if k else tokens[:, :0].bool()
@@ -443,23 +458,36 @@ class ModelRunner:
 
     def _draft(self, group: Group, k: int, rows: RowSampling, u: torch.Tensor | None,
                noise: torch.Tensor | None, first_input, next_pos: torch.Tensor,
-               stop: list[float] | None = None):
+               stop: list[float] | None = None, masks: torch.Tensor | None = None):
         """k draft tokens per row (their distributions when sampling, and with `stop` their
         confidence bins), feeding the draft only what its cache lacks (`first_input`: ids,
         positions, validity, counts). With `stop`, maybe fewer: the round ends after draft j
         once every row's draft gives its token less than stop[j - 1] of its probability; the
-        verification's answer does not depend on how many drafts it checks."""
+        verification's answer does not depend on how many drafts it checks.
+        With grammars (`masks`: [B, 1, V], their first position's), each draft is proposed
+        under its position's mask and, after it, the next position's mask is computed on the
+        host from the drafts so far (one copy down, one up per draft: a constrained group's
+        price); returns the masks of every verified position with the drafts."""
         seqs = group.seqs
+        drafted: list[list[int]] = [[] for _ in seqs]
         ids, pos, valid, counts = first_input
         tokens, probs, logits_seen = [], [], []
         for j in range(k):
             logits = self._forward(self.draft, group.draft_kv, ids, pos, valid, counts, keep=1)
             if group.processing is not None:   # the target's rule, on the drafts so far
                 logits = group.processing.apply(logits, torch.stack(tokens, 1) if tokens else None, j)
+            logits = apply_masks(logits, masks, j)
             token, q = self._pick(logits[:, 0], rows, None if noise is None else noise[:, j:j + 1],
                                   None if u is None else u[:, j])
             tokens.append(token)
             probs.append(q)
+            if masks is not None:   # the grammars' state after this draft: its mask
+                for row, t in zip(drafted, self.transfers.to_host(token)):
+                    row.append(t)
+                upload = Upload()
+                at = stage_masks(upload, seqs, drafted, j + 2, first=j + 1)
+                masks = torch.cat([masks, allowed(upload.send(self.transfers), at, len(seqs),
+                                                  self.logits_width)], dim=1)
             if stop is not None:
                 logits_seen.append(logits)
                 # a host read only where this depth may end the round
@@ -470,7 +498,8 @@ class ModelRunner:
                 valid, counts = torch.ones_like(ids, dtype=torch.bool), [1] * len(seqs)
         # every draft's confidence bin at once (the calibration's input): one op per step, not per draft
         bins = confidence_bins(torch.cat(logits_seen, dim=1))[1] if logits_seen else None
-        return (torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1), bins)
+        return (torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1), bins,
+                masks)
 
     def _coupled(self, rows: RowSampling) -> bool:
         """True when tokens are argmaxes (greedy, or gumbel noise) and acceptance is agreement."""

@@ -10,12 +10,14 @@ import torch
 from .detokenizer import Detokenizer
 from .outputs import TokenLogprob
 from .params import SamplingParams
+from .structured_output import RowGrammar
 
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  max_tokens: int, max_model_len: int, eos_ids: set[int], detokenizer: Detokenizer,
-                 seed: int, coupling: str = "gumbel", bad_words_ids: list[list[int]] = ()):
+                 seed: int, coupling: str = "gumbel", bad_words_ids: list[list[int]] = (),
+                 grammar: RowGrammar | None = None):
         self.request_id = request_id
         self.params = params
         self.tokens: list[int] = list(prompt_ids)   # prompt + committed output
@@ -25,6 +27,7 @@ class Sequence:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
         self.bad_words_ids = list(bad_words_ids)   # params.bad_words as token sequences
         self.detokenizer = detokenizer
+        self.grammar = grammar   # params.structured_outputs compiled: advanced by every commit
         # Entries each model's KV cache holds for this sequence (I3: all but the pending token;
         # the draft may lag one more after a fully accepted step, caught up by its next draft).
         self.num_cached_target = 0
@@ -92,6 +95,8 @@ class Sequence:
                 self.token_texts.append(self.detokenizer.take_delta(final=self.finished))
             if self.finished:
                 break
+        if self.grammar is not None:
+            self.grammar.consume(committed)
         if not decode_each or self.finished:
             self.detokenizer.update(self.tokens)
         return committed

@@ -55,21 +55,42 @@ class Upload:
     def __init__(self):
         self._values: list[int] = []
         self._shapes: list[tuple[int, ...]] = []
+        self._blocks: list[torch.Tensor] = []   # sections given as host tensors, after the ints
 
-    def add(self, values: list[int], *shape: int) -> int:
-        """Stage `values` (row-major, `shape`); returns the section's index into `send`'s list."""
-        assert len(values) == math.prod(shape), (len(values), shape)
-        self._values += values
-        self._shapes.append(shape)
+    def add(self, values: list[int] | torch.Tensor, *shape: int) -> int:
+        """Stage `values` (row-major, `shape`); returns the section's index into `send`'s list.
+        A host integer tensor (a grammar's bitmasks) is staged as it is, not as a list."""
+        size = values.numel() if isinstance(values, torch.Tensor) else len(values)
+        assert size == math.prod(shape), (size, shape)
+        if isinstance(values, torch.Tensor):
+            self._blocks.append(values.reshape(-1))
+            self._shapes.append(("block", *shape))
+        else:
+            self._values += values
+            self._shapes.append(shape)
         return len(self._shapes) - 1
 
     def send(self, transfers: Transfers) -> list[torch.Tensor]:
-        flat = transfers.ints_to_device(self._values)
-        sections, at = [], 0
+        if not self._blocks:
+            return self._sections(transfers.ints_to_device(self._values))
+        host = torch.cat([torch.tensor(self._values, dtype=torch.long)]
+                         + [b.to(torch.long) for b in self._blocks])
+        return self._sections(transfers.to_device(host))
+
+    def _sections(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the sent tensor: the int sections in order, then the blocks in order."""
+        at, block_at = 0, len(self._values)
+        sections = []
         for shape in self._shapes:
-            size = math.prod(shape)
-            sections.append(flat[at:at + size].view(shape))
-            at += size
+            if shape[0] == "block":
+                shape = shape[1:]
+                size = math.prod(shape)
+                sections.append(flat[block_at:block_at + size].view(shape))
+                block_at += size
+            else:
+                size = math.prod(shape)
+                sections.append(flat[at:at + size].view(shape))
+                at += size
         return sections
 
 

@@ -277,3 +277,34 @@ def test_on_cuda_a_tick_waits_for_the_device_once(pairs, method):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
     assert len(syncs) <= 1, syncs
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "ngram"])
+def test_structured_outputs_copies_are_bounded(pairs, proposer):
+    """Grammar masks (structured_output.py) are host work: with the n-gram proposer every
+    verified position's mask rides the step's one upload (one copy each way still); with a
+    draft model each draft's mask depends on that draft, so a constrained step adds one copy
+    down (the draft) and one up (the next mask) per draft: at most 1 + k each way. Prefills
+    (the first token's mask) stay at one each way; constrained and free rows share groups."""
+    k = 3
+    extra = (dict(proposer="ngram", draft_model=None, prompt_lookup_min=1, prompt_lookup_max=2)
+             if proposer == "ngram" else {})
+    engine = make_engine(pairs, method="exspec", num_speculative_tokens=k, max_batch_size=8, **extra)
+    prompts = make_prompts(engine.target.config.vocab_size, None, seed=5, count=4, max_len=20)
+    arrivals = {0: [(f"r{i}", p) for i, p in enumerate(prompts[:2])],
+                2: [(f"r{i}", p) for i, p in enumerate(prompts[2:], 2)]}
+    constrained = {"regex": "(ab|cd)+[0-9]{2,30}"}
+    params = {f"r{i}": SamplingParams(max_tokens=14 + 3 * i, ignore_eos=True, seed=3 + i,
+                                      temperature=0.7 * (i % 2),
+                                      structured_outputs=constrained if i != 1 else None)
+              for i in range(4)}
+    _, finished, records, ticks = audited_run(engine, arrivals, {}, params)
+    bound = 1 if proposer == "ngram" else 1 + k
+    steps = [r for r in records if r[0] == "step"]
+    for kind, h2d, d2h, where in records:
+        allowed = {"merge": 0, "prefill": 1, "step": bound}[kind]
+        assert h2d <= allowed and d2h <= allowed, f"{proposer}: a {kind}: {h2d} up, {d2h} down: {where}"
+    assert max(r[1] for r in steps) == bound, f"{proposer}: no step took the constrained path"
+    for h2d, d2h, inner, where in ticks:
+        assert (h2d, d2h) == inner, f"an engine.step() crossed outside its audited calls: {where}"
+    assert len(finished) == 4
