@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from exspec import InvalidRequestError, SamplingParams
+from exspec.structured_output import StructuredOutput
 
 # Boolean request inputs (all TYPE_BOOL [1], optional), in the vLLM backend's names.
 FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason",
@@ -26,6 +27,7 @@ FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason",
 
 _INT, _FLOAT, _BOOL, _STRS, _INTS = "integer", "number", "boolean", "strings", "integers"
 _BIAS = "token id -> number"
+_STRUCT = "structured outputs object"
 SAMPLING_KEYS = {
     "max_tokens": _INT, "temperature": _FLOAT, "top_p": _FLOAT, "top_k": _INT, "seed": _INT,
     "stop": _STRS, "stop_token_ids": _INTS, "ignore_eos": _BOOL,
@@ -33,7 +35,13 @@ SAMPLING_KEYS = {
     "repetition_penalty": _FLOAT, "frequency_penalty": _FLOAT, "presence_penalty": _FLOAT,
     "min_p": _FLOAT, "min_tokens": _INT, "logit_bias": _BIAS, "allowed_token_ids": _INTS,
     "bad_words": _STRS,
+    # vLLM's structured outputs (exspec/structured_output.py); `guided_decoding` is the older
+    # spelling (vllm_backend maps it onto structured_outputs, which wins when both are given),
+    # and guided_json / guided_regex / guided_choice / guided_grammar vLLM's OpenAI server's
+    "structured_outputs": _STRUCT, "guided_decoding": _STRUCT, "guided_json": _STRUCT,
+    "guided_regex": _STRUCT, "guided_choice": _STRUCT, "guided_grammar": _STRUCT,
 }
+GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # vLLM SamplingParams keys exspec does not implement, at the value that leaves vLLM's output
 # unchanged. vLLM backend clients send them at that value (Triton's OpenAI frontend always sends
 # n, frequency_penalty and presence_penalty; older releases best_of), so those are accepted and
@@ -44,8 +52,7 @@ NEUTRAL_KEYS = {
     "include_stop_str_in_output": (_BOOL, False), "skip_special_tokens": (_BOOL, True),
     "spaces_between_special_tokens": (_BOOL, True), "detokenize": (_BOOL, True),
     "prompt_logprobs": (None, None), "truncate_prompt_tokens": (None, None),
-    "logits_processors": (None, None), "guided_decoding": (None, None),
-    "structured_outputs": (None, None), "lora_name": (None, None),
+    "logits_processors": (None, None), "lora_name": (None, None),
 }
 # Request parameters Triton itself or its clients add (the HTTP generate endpoint passes the
 # body's "id" on as one); never sampling parameters.
@@ -110,6 +117,7 @@ def parse_request(inputs: dict, parameters: str | dict | None,
             values[key] = coerce(key, value)
     # vLLM's meaning: `logprobs: N` asks for the chosen token's logprob and the top N others;
     # the `logprobs` output is null without it. cumulative_logprob needs the chosen ones only.
+    _structured(values)
     logprobs = values.get("logprobs")
     if logprobs is None and flags["return_cumulative_logprob"]:
         values["logprobs"] = 0
@@ -122,6 +130,21 @@ def parse_request(inputs: dict, parameters: str | dict | None,
     return ParsedRequest(prompt=prompt, params=params, stream=stream,
                          exclude_input_in_output=exclude, logprobs=logprobs,
                          **{name: bool(value) for name, value in flags.items()})
+
+
+def _structured(values: dict) -> None:
+    """One `structured_outputs` from its spellings: itself, `guided_decoding` (whose fields may
+    also carry the guided_ prefix) or top-level guided_json / guided_regex / ..."""
+    guided = values.pop("guided_decoding", None)
+    if isinstance(guided, dict):
+        guided = {key.removeprefix("guided_"): value for key, value in guided.items()}
+    top = {key.removeprefix("guided_"): values.pop(key) for key in GUIDED_KEYS if key in values}
+    if top:
+        if guided is not None:
+            raise InvalidRequestError(f"give guided_decoding or {', '.join(GUIDED_KEYS)}, not both")
+        guided = top
+    if values.get("structured_outputs") is None and guided is not None:
+        values["structured_outputs"] = StructuredOutput.parse(guided, "guided_decoding")
 
 
 def request_bytes(inputs: dict, parameters: str | dict | None) -> int:
@@ -266,6 +289,14 @@ def coerce(key: str, value):
         return _parse_int(key, value)
     if kind == _FLOAT:
         return _parse_float(key, value)
+    if kind == _STRUCT:
+        if key == "structured_outputs":
+            return StructuredOutput.parse(value, key)
+        if key == "guided_decoding" and isinstance(value, str):
+            return _json(key, value.strip(), dict)
+        if key == "guided_choice" and isinstance(value, str):
+            return _json_list(key, value.strip())
+        return value   # checked with the other spellings (_structured)
     if kind == _BIAS:
         if isinstance(value, str) and value.strip().startswith("{"):
             value = _json(key, value.strip(), dict)

@@ -156,3 +156,39 @@ def test_oversized_request_is_refused_before_parsing():
     with pytest.raises(InvalidRequestError, match="request is 5002 bytes; the limit is 4096"):
         parse_request(inputs, "{}", max_request_bytes=4096)
     assert parse_request(inputs, "{}", max_request_bytes=8192).prompt == "x" * 5000
+
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("raw", [
+    {"structured_outputs": {"json": SCHEMA}},
+    {"structured_outputs": json.dumps({"json": SCHEMA})},
+    {"structured_outputs": {"json": json.dumps(SCHEMA), "backend": "xgrammar"}},
+    {"guided_decoding": json.dumps({"json": json.dumps(SCHEMA), "regex": None, "choice": None,
+                                    "grammar": None, "json_object": None, "backend": None,
+                                    "whitespace_pattern": None, "structural_tag": None})},
+    {"guided_decoding": {"guided_json": SCHEMA}},
+    {"guided_json": json.dumps(SCHEMA)},
+    {"guided_decoding": {"regex": "x"}, "structured_outputs": {"json": SCHEMA}},   # vllm_backend: it wins
+])
+def test_structured_outputs_spellings(raw):
+    """vLLM's structured_outputs, its older guided_decoding (a JSON string as vllm_backend and
+    Triton's OpenAI frontend send it, or an object; fields with or without guided_) and the
+    OpenAI server's top-level guided_json: one constraint, the schema's key order kept."""
+    spec = parse(raw).params.structured_outputs
+    assert spec.kind == "json" and list(json.loads(spec.text)["properties"]) == ["b", "a"]
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+    ({"structured_outputs": "{oops"}, "not valid JSON"),
+    ({"structured_outputs": {"json": 3}}, "must be a JSON schema"),
+    ({"structured_outputs": {"choice": "yes"}}, "choice must be a non-empty list"),
+    ({"structured_outputs": {"whitespace_pattern": " *", "regex": "a"}}, "whitespace_pattern"),
+    ({"guided_decoding": {"schema": {}}}, "unknown field"),
+    ({"guided_regex": "a", "guided_decoding": {"regex": "b"}}, "not both"),
+])
+def test_bad_structured_outputs_name_the_problem(raw, needle):
+    with pytest.raises(InvalidRequestError, match=needle):
+        parse(raw)
