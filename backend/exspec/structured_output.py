@@ -7,7 +7,8 @@ token mask at every position it chooses a token: at verification position j that
 the state after the drafts before j, exactly what a target-only run has there, so the
 speculative output stays the target-only output; the draft proposes under the same masks.
 Masks travel as llguidance's bitmasks (one bit per token, int32 words) in the step's upload and
-are unpacked on the device (`allowed`).
+are unpacked on the device (`allowed`). JSON allows free whitespace between tokens, as vLLM's
+default; `disable_any_whitespace: true` (vLLM's field) makes it compact.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import torch
 from .errors import InvalidRequestError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
-# vLLM's StructuredOutputsParams / GuidedDecodingParams fields that select nothing here: the
-# backend is the engine's choice (llguidance); the others only at their neutral value
+# vLLM's StructuredOutputsParams / GuidedDecodingParams fields besides KINDS: the backend is
+# ignored (the engine's is llguidance), disable_any_whitespace is served, the others are
+# accepted only at their neutral value
 IGNORED = {"backend": None, "whitespace_pattern": None, "structural_tag": None,
            "disable_fallback": False, "disable_any_whitespace": False,
            "disable_additional_properties": False, "backend_was_auto": False}
@@ -150,8 +152,9 @@ class RowGrammar:
         self.words = (vocab + 31) // 32
 
     def consume(self, tokens: list[int]) -> None:
-        """Committed tokens (a token the grammar refuses leaves it in its error state: masks
-        then allow nothing but EOS... the row is being stopped by its own rules anyway)."""
+        """Committed tokens. Every one was chosen under this grammar's mask; once the grammar
+        has ended (EOS consumed) nothing more is consumed and its mask stays EOS alone (an
+        `ignore_eos` row runs on EOS tokens to max_tokens)."""
         for token in tokens:
             if self.matcher.is_stopped():
                 return
@@ -177,8 +180,8 @@ class RowGrammar:
             self.matcher.rollback(consumed)
 
     def _fill(self, row: np.ndarray) -> None:
-        if self.matcher.is_error():   # nothing is allowed: the row's own rules must end it
-            row[:] = 0
+        if self.matcher.is_error():   # unreachable (only masked tokens are committed): no mask,
+            row[:] = -1               # rather than an all -inf row that sampling cannot normalise
             return
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.size * 4)
 
