@@ -10,6 +10,7 @@ nearly every draft there.
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 
 import jsonschema
@@ -157,6 +158,41 @@ def test_mixed_greedy_and_seeded_rows_in_one_group(pair):
                               ("regex", "seeded")], "exspec greedy+seeded:")
 
 
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_adaptive_k_and_draft_stop_keep_constrained_output_exact(pair, method):
+    """Adaptive k (k changes between steps, plain k = 0 steps among them), and rounds of drafts
+    that end early at an unsure draft (so fewer masks than k + 1): the target-only output."""
+    rows = [("json", "greedy"), (None, "seeded"), ("grammar", "seeded"), ("regex", "greedy")]
+    adaptive = make_engine(pair, method, k=4, adaptive_k=True)
+    check_rows(pair, adaptive, rows, f"{method} adaptive k:")
+    assert len({k for _, k in adaptive.stats_.steps_by_shape}) > 1, "k never changed"
+    stopping = make_engine(pair, method, k=4)
+    # thresholds forced high (this draft is confident): a round ends at its first unsure draft
+    stopping.pool.scheduler.stop_for = lambda group, k: [0.999] * (k - 1) if k > 1 else None
+    check_rows(pair, stopping, rows, f"{method} draft stop:")
+    assert stopping.stats_.counts["draft_stopped_steps"] > 0, "no round of drafts ended early"
+
+
+def test_rejection_sampling_under_constraints_stays_valid(pair):
+    """The rejection coupling (exact in distribution only) draws q and p under the same masks:
+    every output still matches its constraint."""
+    engine = make_engine(pair, "exspec", k=4, sampling_coupling="rejection")
+    tokenizer = AutoTokenizer.from_pretrained(pair["tokenizer"])
+    names = list(CONSTRAINTS) * 3
+    outs = engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(names))],
+                           [params_for(c, 100 + i, 1.0) for i, c in enumerate(names)])
+    for name, out in zip(names, outs):
+        text = tokenizer.decode([t for t in out.token_ids if t != EOS])
+        assert out.finish_reason == "stop", (name, text)
+        if name == "json":
+            jsonschema.validate(json.loads(text), SCHEMA)
+        elif name == "choice":
+            assert text in CONSTRAINTS["choice"]["choice"], text
+        else:
+            pattern = CONSTRAINTS["regex"]["regex"] if name == "regex" else r"[xy]\d{1,2}(,[xy]\d{1,2})*\."
+            assert re.fullmatch(pattern, text), (name, text)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_every_constraint_changes_the_output(pair, mode):
     seed, temperature = MODES[mode]
@@ -173,7 +209,6 @@ def test_constrained_outputs_parse_and_match(pair):
     text = {c: tokenizer.decode([t for t in o.token_ids if t != EOS]) for c, o in zip(CONSTRAINTS, outs)}
     assert all(o.finish_reason == "stop" for o in outs), [(o.finish_reason, o.text) for o in outs]
     jsonschema.validate(json.loads(text["json"]), SCHEMA)
-    import re
     assert re.fullmatch(CONSTRAINTS["regex"]["regex"], text["regex"]), text["regex"]
     assert text["choice"] in CONSTRAINTS["choice"]["choice"], text["choice"]
     assert re.fullmatch(r"[xy]\d{1,2}(,[xy]\d{1,2})*\.", text["grammar"]), text["grammar"]
