@@ -66,3 +66,18 @@ def test_a_bad_schema_is_a_400_naming_it(server):
     assert status == 400 and "regex" in body.get("error", ""), body
     status, body = generate(server.urls["http"], "exspec", {"text_input": PROMPT, "max_tokens": 3})
     assert status == 200 and len(event_ids(body)) == 3, "the server stopped serving after bad specs"
+
+
+def test_vllm_backend_accuracy_test_structured_request_shape(server):
+    """vllm_backend's ci accuracy_test.py::test_structured_outputs, its request as it sends it:
+    gRPC stream, stream false, sampling_parameters {"temperature": 0, "top_p": 1,
+    "structured_outputs": json.dumps({"choice": ["Positive", "Negative"]})}. (Its own check
+    compares `list.sort()` results, None == None, so it only asserts that a text_output came
+    back without error; here the text must also be one of the choices.)"""
+    prompt = "Classify intent of the sentence: Harry Potter is underrated. "
+    call = grpc_one(server.urls["grpc"], "exspec", prompt=prompt, stream=False, sampling={
+        "temperature": 0, "top_p": 1,
+        "structured_outputs": json.dumps({"choice": ["Positive", "Negative"]})})
+    (only,) = call.responses
+    assert only.error is None and only.final, only
+    assert only.text() in (prompt + "Positive", prompt + "Negative"), only.text()
