@@ -27,6 +27,7 @@ from .kv_blocks import BlockStores
 from .models import ModelPair, load_pair, model_devices
 from .ngram import NgramProposer
 from .outputs import CompletionOutput, RequestOutput
+from .parallel_sampling import ParallelSampling, child_id, child_params
 from .params import SamplingParams
 from .pool import SequencePool, Touched
 from .prefix_cache import PrefixCaching
@@ -122,6 +123,7 @@ class LLMEngine:
         self._incoming: deque[Sequence] = deque()   # added since the last tick
         self._aborts: set[str] = set()
         self._live_ids: set[str] = set()             # every request not yet finished
+        self.parallel = ParallelSampling()           # requests with n > 1: their children
         self._auto_ids = itertools.count()
         self._seeds = random.Random(config.seed)     # for requests that bring no seed
         self._ticks = 0
@@ -181,23 +183,41 @@ class LLMEngine:
                     f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) can grow to "
                     f"{need} KV cache entries, more than the whole pool holds "
                     f"(max_num_kv_tokens = {budget}); shorten the prompt or lower max_tokens")
-        with self._lock:   # a fresh seed per unseeded request: each is its own exact sample
-            seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
-        seq = self._sequence(request_id, prompt_ids, params, max_tokens, seed)
+        if params.n > self.config.max_queue_len:
+            raise InvalidRequestError(f"n = {params.n} samples can never fit the queue of "
+                                      f"max_queue_len = {self.config.max_queue_len}")
+        seqs = self._samples(request_id, prompt_ids, params, max_tokens)
         with self._lock:
             if request_id in self._live_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-            if len(self._incoming) + self.pool.num_waiting >= self.config.max_queue_len:
+            waiting = len(self._incoming) + self.pool.num_waiting + len(self.parallel.held())
+            if waiting + len(seqs) > self.config.max_queue_len:
                 raise EngineBusyError(f"server busy: {self.config.max_queue_len} requests are "
                                       "already waiting; retry later")
             self._live_ids.add(request_id)
-            self._incoming.append(seq)
+            if len(seqs) > 1:   # with prefix caching, siblings wait for child 0's prefill
+                seqs = self.parallel.add(request_id, seqs, hold=self.pool.prefix is not None)
+            self._incoming.extend(seqs)
             self._work.notify_all()
+
+    def _samples(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 max_tokens: int) -> list[Sequence]:
+        """The request's sequence, or its n children (parallel_sampling.py)."""
+        with self._lock:   # a fresh seed per unseeded sample: each is its own exact sample
+            seeds = [params.seed + i if params.seed is not None else self._seeds.randrange(2**63)
+                     for i in range(params.n)]
+        if params.n == 1:
+            return [self._sequence(request_id, prompt_ids, params, max_tokens, seeds[0])]
+        return [self._sequence(child_id(request_id, i), prompt_ids, child_params(params, i),
+                               max_tokens, seed) for i, seed in enumerate(seeds)]
 
     def abort(self, request_id: str) -> None:
         """Idempotent and thread-safe; the request ends with finish_reason 'abort'."""
         with self._lock:
-            if request_id in self._live_ids:
+            if request_id in self.parallel:
+                self._aborts.update(self.parallel.child_ids(request_id))
+                self._work.notify_all()
+            elif request_id in self._live_ids:
                 self._aborts.add(request_id)
                 self._work.notify_all()
 
@@ -248,8 +268,13 @@ class LLMEngine:
         with self._lock:
             incoming, self._incoming = list(self._incoming), deque()
             aborts, self._aborts = self._aborts, set()
+            held_aborted = self.parallel.drop_held(aborts)
+            incoming += self.parallel.release()
         self.pool.enqueue(incoming)
         touched: list[Touched] = self.pool.abort(aborts)
+        for seq in held_aborted:
+            seq.finish("abort")
+            touched.append((seq, [], None))
         if self.pool.planned is None:   # a new tick: the step's plan, prefill
             self.faults.before_tick()
             touched += self._guarded(self.pool.begin_tick)
@@ -266,7 +291,12 @@ class LLMEngine:
         try:
             return half()
         except Exception:  # the pool isolates group failures; this is a last resort
-            return self.pool.fail_all(traceback.format_exc(limit=3))
+            error = traceback.format_exc(limit=3)
+            with self._lock:
+                held = self.parallel.drop_held()
+            for seq in held:
+                seq.finish("error", error)
+            return self.pool.fail_all(error) + [(s, [], None) for s in held]
 
     def _emit(self, touched: list[Touched]):
         """One output per sequence per call, however many times the call touched it."""
@@ -278,10 +308,8 @@ class LLMEngine:
                                           None if new_lp is None else (lp or []) + new_lp)
             else:
                 merged[seq.request_id] = (seq, list(new_ids), new_lp)
-        outputs, done = [], []
+        outputs = []
         for seq, new_ids, new_lp in merged.values():
-            if seq.finished:
-                done.append(seq.request_id)
             texts = seq.take_token_texts() if seq.params.text_per_token else None
             rest = seq.detokenizer.take_delta(final=seq.finished)
             if texts and rest:
@@ -294,15 +322,17 @@ class LLMEngine:
                 num_draft_tokens=seq.num_draft_tokens,
                 num_accepted_draft_tokens=seq.num_accepted_draft_tokens,
                 new_logprobs=new_lp))
-        if done:
-            with self._lock:
-                self._live_ids.difference_update(done)
+        with self._lock:   # abort() reads the children from other threads
+            outputs, failed_siblings = self.parallel.relabel(outputs)
+            self._live_ids.difference_update(out.request_id for out in outputs if out.finished)
+            self._aborts |= failed_siblings
         return outputs
 
     # -- offline ----------------------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
-        """All prompts through the online loop; outputs in input order."""
+        """All prompts through the online loop; outputs in input order, a request with n > 1
+        giving its n samples one after another (index 0 first)."""
         ticks = self.generate_ticks(prompts, params)
         while True:
             try:
@@ -328,18 +358,21 @@ class LLMEngine:
                     break
                 pending.popleft()
             for out in self.step():
-                res = results.setdefault(out.request_id, CompletionOutput(out.request_id))
+                res = results.setdefault((out.request_id, out.index),
+                                         CompletionOutput(out.request_id, index=out.index))
                 res.token_ids += out.new_token_ids
                 res.text += out.text_delta
                 if out.new_logprobs is not None:
                     res.logprobs = (res.logprobs or []) + out.new_logprobs
                 res.num_draft_tokens = out.num_draft_tokens
                 res.num_accepted_draft_tokens = out.num_accepted_draft_tokens
-                if out.finished:
+                if out.finish_reason is not None:   # this sample's last output
                     res.finish_reason, res.error = out.finish_reason, out.error
+                if out.finished:
                     finished.add(out.request_id)
             yield
-        return [results[rid] for rid in ids]
+        return [results[rid, i] for rid, p in zip(ids, params_list)
+                for i in range(p.n if p is not None else 1)]
 
     def release_memory(self) -> None:
         """Hand freed host memory back to the system. Caches of every size come and go, and

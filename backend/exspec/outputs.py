@@ -28,6 +28,9 @@ class RequestOutput:
     num_accepted_draft_tokens: int     # cumulative
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, when params.logprobs is set
     token_texts: list[str] | None = None   # one per new token (joined: text_delta), when asked for
+    # which of the request's n samples this is (0 when n = 1; parallel_sampling.py). With n > 1,
+    # finish_reason is set on a sample's last output and `finished` only on the request's last
+    index: int = 0
 
 
 @dataclass
@@ -40,3 +43,4 @@ class CompletionOutput:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0                     # the sample, for a request with n > 1

@@ -10,6 +10,8 @@ from .structured_output import StructuredOutput
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64
 MAX_LOGPROBS = 20   # vLLM's default max_logprobs
 MAX_LOGIT_BIAS, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 1024, 64, 256
+# samples per request (n): each is its own sequence in the pool, with its own KV reservation
+MAX_N = 16
 
 
 @dataclass
@@ -39,6 +41,10 @@ class SamplingParams:
     # vLLM's structured outputs: {json | regex | choice | grammar | json_object} (a dict, its
     # JSON text, or a StructuredOutput); structured_output.py
     structured_outputs: StructuredOutput | dict | str | None = None
+    # parallel sampling (parallel_sampling.py): n samples of one prompt, sample i seeded
+    # seed + i (vLLM's derivation); best_of only as n (every sample is returned, none ranked)
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -49,6 +55,8 @@ class SamplingParams:
             self.bad_words = None
         self.structured_outputs = StructuredOutput.parse(self.structured_outputs)
         self.validate()
+        if self.best_of == self.n:   # the only value served, and what absent means
+            self.best_of = None
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +92,13 @@ class SamplingParams:
             bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (how many of the most likely "
                 f"tokens to return beside the chosen one), got {self.logprobs!r}")
         self._validate_processing(bad)
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad(f"n must be an integer in [1, {MAX_N}] (samples of the prompt), got {self.n!r}")
+        if self.best_of is not None and self.best_of != self.n:
+            bad(f"best_of={self.best_of!r} is not supported with n={self.n}: exspec returns every "
+                f"sample and ranks none, so best_of may only be absent or equal to n")
+        if self.n > 1 and self.seed is not None and self.seed + self.n - 1 >= 2**63:
+            bad(f"seed must leave room for the n samples' seeds (seed + i < 2^63), got {self.seed}")
         if self.num_speculative_tokens is not None and (
                 not _is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 0):
             bad(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
