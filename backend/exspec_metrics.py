@@ -85,11 +85,11 @@ class VllmMetrics:
         for gap in gaps:
             self.tpot.observe(gap)
 
-    def finished(self, prompt_tokens: int, output_tokens: int, e2e_s: float) -> None:
+    def finished(self, prompt_tokens: int, output_tokens: int, e2e_s: float, n: int) -> None:
         self.e2e.observe(e2e_s)
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(output_tokens)
-        self.request_n.observe(1)   # n > 1 is refused
+        self.request_n.observe(n)
 
 
 def one_two_five_buckets(limit: int) -> list[int]:
@@ -160,7 +160,8 @@ class Metrics:
             self.vllm.tokens(count, since_last_s)
 
     def finished(self, outcome: str, prompt_tokens: int, output_tokens: int, e2e_s: float,
-                 first_token_s: float | None) -> None:
+                 first_token_s: float | None, n: int = 1) -> None:
+        """One request ended; `output_tokens` counts all its `n` samples' tokens."""
         self.requests[outcome if outcome in self.requests else "error"].increment(1)
         self.prompt_tokens.increment(prompt_tokens)
         self.generation_tokens.increment(output_tokens)
@@ -168,7 +169,7 @@ class Metrics:
         if first_token_s is not None and output_tokens > 1:
             self.tpot.observe((e2e_s - first_token_s) / (output_tokens - 1))
         if self.vllm:
-            self.vllm.finished(prompt_tokens, output_tokens, e2e_s)
+            self.vllm.finished(prompt_tokens, output_tokens, e2e_s, n)
 
     def rejected(self) -> None:
         self.requests["rejected"].increment(1)

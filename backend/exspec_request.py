@@ -34,7 +34,7 @@ SAMPLING_KEYS = {
     "num_speculative_tokens": _INT, "logprobs": _INT,
     "repetition_penalty": _FLOAT, "frequency_penalty": _FLOAT, "presence_penalty": _FLOAT,
     "min_p": _FLOAT, "min_tokens": _INT, "logit_bias": _BIAS, "allowed_token_ids": _INTS,
-    "bad_words": _STRS,
+    "bad_words": _STRS, "n": _INT, "best_of": _INT,
     # vLLM's structured outputs (exspec/structured_output.py); `guided_decoding` is the older
     # spelling (vllm_backend maps it onto structured_outputs, which wins when both are given),
     # and guided_json / guided_regex / guided_choice / guided_grammar vLLM's OpenAI server's
@@ -43,11 +43,10 @@ SAMPLING_KEYS = {
 }
 GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # vLLM SamplingParams keys exspec does not implement, at the value that leaves vLLM's output
-# unchanged. vLLM backend clients send them at that value (Triton's OpenAI frontend always sends
-# n, frequency_penalty and presence_penalty; older releases best_of), so those are accepted and
-# ignored; any other value is refused. None: only absent or empty (null, [], {}, "") is neutral.
+# unchanged. vLLM backend clients send them at that value, so those are accepted and ignored;
+# any other value is refused. None: only absent or empty (null, [], {}, "") is neutral.
 NEUTRAL_KEYS = {
-    "n": (_INT, 1), "best_of": (_INT, 1), "length_penalty": (_FLOAT, 1.0),
+    "length_penalty": (_FLOAT, 1.0),
     "use_beam_search": (_BOOL, False), "early_stopping": (_BOOL, False),
     "include_stop_str_in_output": (_BOOL, False), "skip_special_tokens": (_BOOL, True),
     "spaces_between_special_tokens": (_BOOL, True), "detokenize": (_BOOL, True),

@@ -42,37 +42,45 @@ def response(stream, out: RequestOutput, final: bool, prompt_text, token_text, s
     """One response for `stream` (the adapter's per-request state) from an engine output:
     this output's delta when streaming, else the whole text so far. `prompt_text()` gives the
     prompt for prepend_prompt (decoded only when asked); `token_text(id)` one token's text;
-    `speculation`: speculation_tensors(out), if already built for this step."""
+    `speculation`: speculation_tensors(out), if already built for this step.
+
+    Per sample tensors (text_output, finish_reason, num_output_tokens, logprobs,
+    cumulative_logprob) hold one element per sample, by index, as Triton's vLLM backend returns
+    n > 1; streaming, only this output's sample has a delta, the others "" (and 0 tokens).
+    output_ids holds the samples' ids one after another (num_output_tokens splits them)."""
     req = stream.req
+    samples = stream.samples
     if req.stream:
-        text, ids, logprobs = out.text_delta, out.new_token_ids, out.new_logprobs or []
-        num_output = len(out.new_token_ids)
+        deltas = [(out.text_delta, out.new_token_ids, out.new_logprobs or [], out.finish_reason)
+                  if i == out.index else ("", [], [], None) for i in range(len(samples))]
+        counts = [len(ids) for _, ids, _, _ in deltas]
     else:
-        text = "".join(stream.texts)
-        if req.prepend_prompt:
-            text = prompt_text() + text
-        ids, logprobs, num_output = stream.ids, stream.logprobs, out.num_output_tokens
+        prompt = prompt_text() if req.prepend_prompt else ""
+        deltas = [(prompt + "".join(s.texts), s.ids, s.logprobs, s.finish_reason) for s in samples]
+        counts = [s.num_output_tokens for s in samples]
+        out = stream.totals(out)
+    texts, ids, logprobs, reasons = zip(*deltas)
     tensors = [
-        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-        pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int64)),
+        pb_utils.Tensor("text_output", np.array([t.encode("utf-8") for t in texts], dtype=np.object_)),
+        pb_utils.Tensor("output_ids", np.array([t for sample in ids for t in sample], dtype=np.int64)),
         *(speculation or speculation_tensors(out)),
     ]
     if req.return_finish_reason:
-        reason = out.finish_reason if final else "None"
-        tensors.append(pb_utils.Tensor("finish_reason",
-                                       np.array([str(reason).encode()], dtype=np.object_)))
+        tensors.append(pb_utils.Tensor("finish_reason", np.array(
+            [str(reason).encode() for reason in reasons], dtype=np.object_)))
     if req.return_num_input_tokens:
         tensors.append(pb_utils.Tensor("num_input_tokens",
                                        np.array([out.num_prompt_tokens], dtype=np.uint32)))
     if req.return_num_output_tokens:
-        tensors.append(pb_utils.Tensor("num_output_tokens",
-                                       np.array([num_output], dtype=np.uint32)))
+        tensors.append(pb_utils.Tensor("num_output_tokens", np.array(counts, dtype=np.uint32)))
     if req.return_logprobs:
-        value = "null" if req.logprobs is None else logprobs_json(ids, logprobs, token_text)
-        tensors.append(pb_utils.Tensor("logprobs", np.array([value.encode()], dtype=np.object_)))
+        values = ["null" if req.logprobs is None else logprobs_json(i, lp, token_text)
+                  for i, lp in zip(ids, logprobs)]
+        tensors.append(pb_utils.Tensor("logprobs", np.array([v.encode() for v in values],
+                                                            dtype=np.object_)))
     if req.return_cumulative_logprob:
-        tensors.append(pb_utils.Tensor("cumulative_logprob",
-                                       np.array([stream.cumulative_logprob], dtype=np.float32)))
+        tensors.append(pb_utils.Tensor("cumulative_logprob", np.array(
+            [s.cumulative_logprob for s in samples], dtype=np.float32)))
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 

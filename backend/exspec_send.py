@@ -138,7 +138,8 @@ class SendThread:
     def _on_output(self, stream: Stream, out: RequestOutput):
         if out.new_token_ids:
             self._record_tokens(stream, out)
-        if not out.finished:
+        stream.observe(out)
+        if not out.finished:   # with n > 1, also a sample's last output while others run
             if stream.req.stream:
                 parts = pieces(out)   # none for an output that committed no token
                 speculation = speculation_tensors(out) if parts else None   # the step's, shared
@@ -191,7 +192,8 @@ class SendThread:
     # -- sending -----------------------------------------------------------------------------
     def _respond(self, stream: Stream, out: RequestOutput, final: bool, speculation=None):
         if stream.req.stream:   # cumulative up to this response's last token
-            stream.cumulative_logprob += sum(lp.logprob for lp in out.new_logprobs or [])
+            stream.samples[out.index].cumulative_logprob += sum(
+                lp.logprob for lp in out.new_logprobs or [])
         self._send(stream, response(stream, out, final, lambda: self._prompt_text(stream),
                                     self.token_text, speculation), final)
 
@@ -214,6 +216,7 @@ class SendThread:
     def _record_finished(self, stream: Stream, outcome: str, out: RequestOutput | None):
         now = time.monotonic()
         self.metrics.finished(
-            outcome, out.num_prompt_tokens if out else 0, out.num_output_tokens if out else 0,
+            outcome, out.num_prompt_tokens if out else 0, stream.num_output_tokens if out else 0,
             now - stream.arrived,
-            None if stream.first_token_at is None else stream.first_token_at - stream.arrived)
+            None if stream.first_token_at is None else stream.first_token_at - stream.arrived,
+            n=len(stream.samples))

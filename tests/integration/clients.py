@@ -105,6 +105,22 @@ def grpc_stream(url: str, model: str, requests: list[dict], timeout_s: float = 1
     return list(calls.values())
 
 
+def first_response_then_cancel(url: str, model: str, inputs: list):
+    """Stream one request, wait for its first response, then cancel it by closing the stream;
+    returns that first response (a tritonclient result)."""
+    events: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, request_id="long")
+        result, error = events.get(timeout=60)
+        assert error is None, error
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    return result
+
+
 def grpc_one(url: str, model: str, **request) -> Call:
     return grpc_stream(url, model, [request])[0]
 

@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import queue
 from pathlib import Path
 
-import tritonclient.grpc as grpcclient
-
-from clients import grpc_inputs, grpc_one, grpc_stream
+from clients import first_response_then_cancel, grpc_inputs, grpc_one, grpc_stream
 from serverkit import scrape, wait_for
 
 DESIGN_METRICS = [
@@ -23,15 +20,9 @@ DESIGN_METRICS = [
 def test_cancelled_stream_stops_and_frees_the_pool(server):
     cancelled_before = scrape(server, "exspec:requests_total", model="exspec", outcome="cancelled")
     tokens_before = scrape(server, "exspec:generation_tokens_total", model="exspec")
-    events: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.urls["grpc"])
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
-    client.async_stream_infer("exspec", grpc_inputs(prompt="hello", stream=True, sampling={
-        "max_tokens": 480, "ignore_eos": True}), request_id="long")
-    result, error = events.get(timeout=60)
-    assert error is None and result.as_numpy("text_output") is not None
-    client.stop_stream(cancel_requests=True)
-    client.close()
+    result = first_response_then_cancel(server.urls["grpc"], "exspec", grpc_inputs(
+        prompt="hello", stream=True, sampling={"max_tokens": 480, "ignore_eos": True}))
+    assert result.as_numpy("text_output") is not None
 
     wait_for(lambda: scrape(server, "exspec:requests_total", model="exspec",
                             outcome="cancelled") == cancelled_before + 1,

@@ -89,10 +89,11 @@ def test_model_config_names_the_echo_input_the_frontend_looks_for(server):
 # change to the request parser (the drop-in contract, design: "The Triton adapter"); before it
 # they fail on "unknown sampling parameter".
 
-@pytest.mark.parametrize("field,value", [("n", 2), ("presence_penalty", 2.5)])
+@pytest.mark.parametrize("field,value", [("n", 17), ("presence_penalty", 2.5)])
 def test_non_neutral_vllm_value_is_refused_by_name(server, field, value):
     """What exspec cannot honour is refused in one final error response that names it (the
-    frontend passes the message on as the HTTP error's detail)."""
+    frontend passes the message on as the HTTP error's detail). The frontend itself refuses
+    n > 1 before it reaches a backend (r26.06 and main); n up to 16 is served (test_n_samples)."""
     call = grpc_one(server.urls["grpc"], MODEL,
                     **frontend_request(PROMPT, temperature=0, max_tokens=4, **{field: value}))
     [response] = call.responses

@@ -49,7 +49,7 @@ def test_openai_frontend_sampling_keys_are_served_like_plain_ones(server):
     assert served.ids() == plain.ids() and len(plain.ids()) == 8
 
 
-@pytest.mark.parametrize("key,value", [("n", 2), ("best_of", 3), ("length_penalty", 0.5),
+@pytest.mark.parametrize("key,value", [("best_of", 3), ("length_penalty", 0.5),
                                        ("use_beam_search", "true"), ("lora_name", "sql-lora")])
 def test_other_values_of_vllm_keys_are_refused_by_name(server, key, value):
     status, body = generate(server.urls["http"], "exspec", {"text_input": PROMPT, key: value})
