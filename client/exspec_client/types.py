@@ -105,7 +105,14 @@ class Result:
 
 def sampling_json(max_tokens: int | None = None, temperature: float | None = None,
                   **more) -> str:
-    """The sampling_parameters JSON string (design: "The Triton adapter"): only the keys that were given."""
+    """The sampling_parameters JSON string (design: "The Triton adapter"): only the keys that were given.
+    One generation is one sample: n > 1 is refused here (the server would return n texts that a
+    Result cannot hold); send n requests with seeds seed, seed + 1, ... for the same samples."""
+    if more.get("n") not in (None, 1) or more.get("best_of") not in (None, 1):
+        raise ValueError(f"exspec-client returns one sample per generation; got n={more.get('n')!r}"
+                         f" best_of={more.get('best_of')!r}. Send n generations instead (with "
+                         "seeds seed + i they are the server's n samples), or call tritonclient "
+                         "directly: text_output then holds one element per sample")
     values = {"max_tokens": max_tokens, "temperature": temperature, **more}
     return json.dumps({k: v for k, v in values.items() if v is not None})
 

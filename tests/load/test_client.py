@@ -33,6 +33,17 @@ def test_stream_deltas_join_to_the_unary_answer(load_server, protocol):
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_more_than_one_sample_is_refused_before_anything_is_sent(protocol):
+    """A Result holds one sample; n > 1 would come back as n texts joined into one. No server:
+    the refusal comes before any connection."""
+    c = Client("127.0.0.1:1" if protocol == "grpc" else "http://127.0.0.1:1", protocol=protocol)
+    with pytest.raises(ValueError, match="one sample per generation; got n=2"):
+        c.stream(PROMPT, max_tokens=4, n=2)
+    with pytest.raises(ValueError, match="best_of=3"):
+        AsyncClient("127.0.0.1:1").stream(PROMPT, best_of=3)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_server_error_carries_the_servers_message(load_server, protocol):
     with pytest.raises(ExspecError, match="max_tokens must be an integer >= 1"):
         client(load_server, protocol).generate(PROMPT, max_tokens=0)
