@@ -161,13 +161,15 @@ class Metrics:
 
     def finished(self, outcome: str, prompt_tokens: int, output_tokens: int, e2e_s: float,
                  first_token_s: float | None, n: int = 1) -> None:
-        """One request ended; `output_tokens` counts all its `n` samples' tokens."""
+        """One request ended; `output_tokens` counts all its `n` samples' tokens, which are
+        decoded side by side: the time per output token is per sample."""
         self.requests[outcome if outcome in self.requests else "error"].increment(1)
         self.prompt_tokens.increment(prompt_tokens)
         self.generation_tokens.increment(output_tokens)
         self.e2e.observe(e2e_s)
-        if first_token_s is not None and output_tokens > 1:
-            self.tpot.observe((e2e_s - first_token_s) / (output_tokens - 1))
+        per_sample = output_tokens / n
+        if first_token_s is not None and per_sample > 1:
+            self.tpot.observe((e2e_s - first_token_s) / (per_sample - 1))
         if self.vllm:
             self.vllm.finished(prompt_tokens, output_tokens, e2e_s, n)
 

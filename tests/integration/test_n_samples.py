@@ -106,3 +106,23 @@ def test_bad_n_and_best_of_get_invalid_arg_naming_them(server):
         assert response.final and needle in (response.error or ""), f"{sampling}: {response}"
         status, body = generate(server.urls["http"], "exspec", {"text_input": PROMPT, **sampling})
         assert status == 400 and needle in body["error"], (sampling, status, body)
+
+
+def test_metrics_count_the_request_once_with_its_n_and_every_samples_tokens(server):
+    """tokenwise publishes the vLLM backend's vllm: families: vllm:request_params_n observes the
+    request's n once; the generation counters take both samples' tokens."""
+    def now():
+        return {name: scrape(server, name, model="tokenwise") for name in (
+            "vllm:request_params_n_count", "vllm:request_params_n_sum",
+            "vllm:generation_tokens_total", "exspec:requests_total")}
+
+    before = now()
+    call = grpc_one(server.urls["grpc"], "tokenwise", prompt=PROMPT, sampling=SEEDED, stream=False,
+                    exclude_input_in_output=True)
+    assert call.responses[-1].error is None, call.responses[-1].error
+    after = wait_for(lambda: (lambda m: m if m["exspec:requests_total"] > before[
+        "exspec:requests_total"] else None)(now()), what="the request to be counted")
+    delta = {name: after[name] - before[name] for name in after}
+    assert delta == {"vllm:request_params_n_count": 1, "vllm:request_params_n_sum": 2,
+                     "vllm:generation_tokens_total": 2 * SEEDED["max_tokens"],
+                     "exspec:requests_total": 1}, delta
