@@ -5,7 +5,7 @@ one sample's delta at its position; cancelling ends every sample; bad n / best_o
 """
 from __future__ import annotations
 
-from clients import first_response_then_cancel, generate, grpc_inputs, grpc_one
+from clients import first_response_then_cancel, generate, grpc_inputs, grpc_one, http_infer
 from serverkit import scrape, wait_for
 
 PROMPT = "def add(a, b):"
@@ -54,6 +54,16 @@ def test_prompt_is_prepended_to_every_sample_and_http_generate_lists_them(server
     assert status == 200, body
     assert isinstance(body["text_output"], list) and len(body["text_output"]) == 2, body
     assert all(t.startswith(PROMPT) and len(t) > len(PROMPT) for t in body["text_output"]), body
+
+
+def test_unary_front_model_returns_the_same_samples(server):
+    """exspec_unary forwards through BLS: its one response holds both samples, the prompt
+    prepended (unary never excludes it by default)."""
+    result = http_infer(server.urls["http"], "exspec_unary", PROMPT, parameters=SEEDED)
+    unary = [t.decode("utf-8") for t in result.as_numpy("text_output").reshape(-1)]
+    whole = grpc_one(server.urls["grpc"], "exspec", prompt=PROMPT, sampling=SEEDED, stream=False,
+                     exclude_input_in_output=True).responses[0]
+    assert unary == [PROMPT + text for text in texts(whole)]
 
 
 def test_streamed_samples_arrive_at_their_positions_and_join_to_the_whole(server):
