@@ -158,3 +158,21 @@ def test_best_of_equal_to_n_is_accepted_and_n_over_the_queue_refused(pairs):
     engine = make_engine(pairs, method="exspec", max_queue_len=2)
     with pytest.raises(InvalidRequestError, match="max_queue_len = 2"):
         engine.add_request("r", [1, 2], SamplingParams(n=3))
+
+
+def test_each_sample_of_a_structured_request_has_its_own_matcher(pairs):
+    """Structured outputs with n > 1: each child compiles its own grammar, so every sample
+    keeps to the choice while the samples differ, each equal to a lone request with seed + i."""
+    engine = make_engine(pairs, method="exspec")
+    choice = ["alpha", "beta gamma", "delta", "epsilon"]
+    params = SamplingParams(n=4, max_tokens=24, temperature=1.5, seed=21,
+                            structured_outputs={"choice": choice})
+    samples = engine.generate([[7, 8, 9]], params)
+    lone = engine.generate([[7, 8, 9]] * 4, [SamplingParams(
+        max_tokens=24, temperature=1.5, seed=21 + i, structured_outputs={"choice": choice})
+        for i in range(4)])
+    eos = pairs["llama", "eos"]
+    texts = [engine.tokenizer.decode([t for t in s.token_ids if t != eos]) for s in samples]
+    assert all(t in choice for t in texts), texts
+    assert [s.token_ids for s in samples] == [s.token_ids for s in lone]
+    assert len(set(texts)) > 1, f"four seeds chose the same word: {texts}"
