@@ -163,7 +163,6 @@ class Metrics:
                  first_token_s: float | None, n: int = 1) -> None:
         """One request ended; `output_tokens` counts all its `n` samples' tokens, which are
         decoded side by side: the time per output token is per sample."""
-        self.requests[outcome if outcome in self.requests else "error"].increment(1)
         self.prompt_tokens.increment(prompt_tokens)
         self.generation_tokens.increment(output_tokens)
         self.e2e.observe(e2e_s)
@@ -172,6 +171,8 @@ class Metrics:
             self.tpot.observe((e2e_s - first_token_s) / (per_sample - 1))
         if self.vllm:
             self.vllm.finished(prompt_tokens, output_tokens, e2e_s, n)
+        # last: a scrape that sees the request counted sees everything else it recorded
+        self.requests[outcome if outcome in self.requests else "error"].increment(1)
 
     def rejected(self) -> None:
         self.requests["rejected"].increment(1)
