@@ -51,6 +51,10 @@ class ParallelSampling:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._parents
 
+    def owns(self, sequence_id: str) -> bool:
+        """Whether `sequence_id` names a running sample (so no request may take it)."""
+        return sequence_id in self._parent_of
+
     def child_ids(self, request_id: str) -> list[str]:
         return sorted(self._parents[request_id].running)
 

@@ -176,3 +176,25 @@ def test_each_sample_of_a_structured_request_has_its_own_matcher(pairs):
     assert all(t in choice for t in texts), texts
     assert [s.token_ids for s in samples] == [s.token_ids for s in lone]
     assert len(set(texts)) > 1, f"four seeds chose the same word: {texts}"
+
+
+def test_a_request_id_equal_to_a_running_sample_id_is_refused_both_ways(pairs):
+    """Sample i of request "r" runs as "i_r": a request named "0_r" while it runs (or "r" with
+    n > 1 while a request "1_r" runs) would share a sequence id and swap outputs; both are refused,
+    and the ids are free again once the first request ends."""
+    engine = make_engine(pairs, method="exspec")
+    sampled = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1)
+    engine.add_request("r", [1, 2, 3], sampled)
+    with pytest.raises(InvalidRequestError, match="'0_r' is already in flight"):
+        engine.add_request("0_r", [1, 2, 3], SamplingParams(max_tokens=4))
+    engine.add_request("1_q", [1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="sample id '1_q' is a request already in flight"):
+        engine.add_request("q", [1, 2, 3], sampled)
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("0_r", [1, 2, 3], SamplingParams(max_tokens=4))
+    engine.add_request("q", [1, 2, 3], sampled)
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert set(finals) == {"0_r", "q"} and all(o.finish_reason == "length" for o in finals.values())
