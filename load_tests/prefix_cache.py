@@ -4,7 +4,7 @@
         [--conversations 6] [--turns 4] [--max-tokens 32] [--torch-threads 1]
         [--out runs/prefix_cache/run]
 
-The real pair (SmolLM2-135M-Instruct and its stand-in draft, exspec.real_pair) is served by a
+The real pair (SmolLM2-135M-Instruct and its trained draft, exspec.real_pair) is served by a
 fresh tritonserver per arm (enable_prefix_caching true / false), workload and repeat, the arms
 interleaved (on off, then off on). This process is the outside client: --users threads, each
 with its own gRPC stream, send greedy streamed requests, --max-tokens each. Two workloads, each

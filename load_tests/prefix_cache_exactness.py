@@ -11,7 +11,7 @@ blocks of both prompts and outputs. Each turn runs greedy and seeded (temperatur
 coupling). Per request: are the tokens equal; per token both runs produced: is the chosen token's
 logprob (from the target's logits) bit-identical. A cached block's entries came from another
 forward's shape, so bits may differ where outputs do not. --pair real: SmolLM2-135M-Instruct with
-its stand-in draft and the ChatML prompts of ~/.cache/exspec/smollm2-135m-instruct; tiny: a
+its trained draft and the ChatML prompts of ~/.cache/exspec/smollm2-135m-instruct; tiny: a
 random Llama pair with a 40-token system prompt.
 """
 from __future__ import annotations

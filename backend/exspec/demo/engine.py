@@ -1,6 +1,6 @@
 """`python -m exspec.demo.engine`: the engine on a model pair, speculative vs target-only, side by side.
 
-With --real, the real pair (SmolLM2-135M-Instruct and a stand-in draft made from it,
+With --real, the real pair (SmolLM2-135M-Instruct and the draft trained for it,
 exspec.real_pair) on chat questions through its own chat template. Otherwise the toy pair, a
 tiny code model for fast tests: the shipped demo pair (model_repository/exspec/1/demo) when
 present, else a small seeded pair built locally. Prints which pair it runs, both outputs,
@@ -20,8 +20,8 @@ from .. import EngineConfig, LLMEngine, SamplingParams
 
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
 FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in range(10):\n"]
-REAL_PAIR = ("real pair: SmolLM2-135M-Instruct (float32) with a stand-in draft (its first 2 "
-             "layers, not a trained draft)")
+REAL_PAIR = ("real pair: SmolLM2-135M-Instruct (float32) with the draft trained for it "
+             "(6 layers, hidden 256: scripts/train_smollm2_draft.py)")
 TOY_PAIR = "toy pair: a tiny code model for fast tests, not an assistant"
 
 

@@ -1,6 +1,6 @@
 """`python -m exspec.demo.server`: the real pair in a real tritonserver, as a client sees it.
 
-Serves SmolLM2-135M-Instruct with its stand-in draft (exspec.real_pair, set up once) as model
+Serves SmolLM2-135M-Instruct with the draft trained for it (exspec.real_pair, set up once) as model
 `exspec` on free ports through the launcher, then
   1. streams each chat question over gRPC (tritonclient), once speculative and once with
      `num_speculative_tokens: 0` (the same server decoding autoregressively), the two
@@ -139,8 +139,7 @@ def _grpc_side_by_side(url: str, prompts: list[str], max_tokens: int, k: int) ->
           f"{rate['speculative'] / rate['autoregressive']:.2f}x; acceptance "
           f"{accepted / drafted if drafted else 0:.2f} ({accepted} of {drafted} drafted tokens "
           f"for {tokens} committed); {same}/{len(prompts)} answers identical to autoregressive."
-          f"\n   The draft is a stand-in (the target's first 2 layers), not a trained draft: "
-          f"adaptive k drafts only while drafting pays. Wall times include the round trips.")
+          f"\n   Wall times include the round trips.")
 
 
 def _curl_stream(http: str, prompt: str, max_tokens: int) -> None:
@@ -229,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [chat_prompt(tokenizer, q) for q in DEMO_QUESTIONS[:args.num_questions]]
     with tempfile.TemporaryDirectory(prefix="exspec-demo-") as tmp:
         repository = _repository(Path(tmp), pair, args.k)
-        print(f"starting tritonserver: SmolLM2-135M-Instruct (float32) with a stand-in draft, "
+        print(f"starting tritonserver: SmolLM2-135M-Instruct (float32) with its trained draft, "
               f"from {pair} ...", flush=True)
         started = time.perf_counter()
         with TritonServer(repository, free_ports=True, startup_timeout_s=600,
