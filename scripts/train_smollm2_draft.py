@@ -308,23 +308,25 @@ def main(argv=None):
     target = AutoModelForCausalLM.from_pretrained(args.pair / "target", dtype=torch.float32)
     target.eval()
     args.work.mkdir(parents=True, exist_ok=True)
-    times = {}
 
     key = f"seed{args.seed}-q{args.questions}"
     qpath = args.work / f"questions-{key}.json"
-    t0 = time.monotonic()
-    if not qpath.exists():
-        qpath.write_text(json.dumps(make_questions(target, tok, args.questions, 64, args.seed)))
-    questions = json.loads(qpath.read_text())
-    times["questions"] = time.monotonic() - t0
-
     apath = args.work / f"answers-{key}-a{args.answer_tokens}.pt"
-    t0 = time.monotonic()
+    # a stage reused from --work reports the time it took when it was made
+    times_path = args.work / f"times-{key}-a{args.answer_tokens}.json"
+    times = json.loads(times_path.read_text()) if times_path.exists() else {}
+    if not qpath.exists():
+        t0 = time.monotonic()
+        qpath.write_text(json.dumps(make_questions(target, tok, args.questions, 64, args.seed)))
+        times["questions"] = time.monotonic() - t0
+    questions = json.loads(qpath.read_text())
     if not apath.exists():
+        t0 = time.monotonic()
         torch.save(make_answers(target, tok, questions, args.answer_tokens, 32, args.seed),
                    apath)
+        times["answers"] = time.monotonic() - t0
+    times_path.write_text(json.dumps(times))
     examples = torch.load(apath)
-    times["answers"] = time.monotonic() - t0
 
     random.Random(args.seed).shuffle(examples)
     n_val = max(1, len(examples) // 20)
@@ -353,7 +355,7 @@ def main(argv=None):
         "draft_params": sum(p.numel() for p in draft.parameters()),
         "weights_bytes": (args.out / "model.safetensors").stat().st_size,
         "total_bytes": dir_size(args.out), "machine": machine_info(),
-        **{f"time_{k}_s": round(v, 1) for k, v in times.items()},
+        **{f"time_{k}_s": round(v, 1) for k, v in times.items()},  # absent: made before times were kept
     }
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     write_card(args.out, metrics)

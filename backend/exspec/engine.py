@@ -188,14 +188,13 @@ class LLMEngine:
                                       f"max_queue_len = {self.config.max_queue_len}")
         seqs = self._samples(request_id, prompt_ids, params, max_tokens)
         with self._lock:
-            if request_id in self._live_ids or self.parallel.owns(request_id):
-                raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-            clash = next((s.request_id for s in seqs if len(seqs) > 1 and
-                          (s.request_id in self._live_ids or self.parallel.owns(s.request_id))),
-                         None)
-            if clash is not None:   # sample i is named i_<id>: two requests may not share one
-                raise InvalidRequestError(f"request id {request_id!r}: its sample id {clash!r} "
-                                          "is a request already in flight")
+            # a request's id and its samples' ids (i_<id>) are each taken by one sequence
+            for taken in dict.fromkeys([request_id] + [s.request_id for s in seqs]):
+                if taken in self._live_ids or self.parallel.owns(taken):
+                    raise InvalidRequestError(
+                        f"request id {request_id!r} is already in flight" if taken == request_id
+                        else f"request id {request_id!r}: its sample id {taken!r} is a request "
+                             "already in flight")
             waiting = len(self._incoming) + self.pool.num_waiting + len(self.parallel.held())
             if waiting + len(seqs) > self.config.max_queue_len:
                 raise EngineBusyError(f"server busy: {self.config.max_queue_len} requests are "
