@@ -3,15 +3,19 @@ with long prompts (>= 1,000 tokens) arrive, for several server arms, interleaved
 
     python load_tests/chunking.py --arm chunked=256 --arm whole=null [--arm NAME=VALUE@BACKEND]
         [--repeats 3] [--run-time 60] [--short-users 4] [--long-users 1] [--long-tokens 1200]
-        [--long-every 2] [--max-tokens 32] [--torch-threads 1] [--out runs/chunking/run]
+        [--long-every 2] [--max-tokens 32] [--torch-threads 1] [--pair demo|smollm2]
+        [--out runs/chunking/run]
 
 Each arm is NAME=VALUE[@BACKEND]: VALUE is model.json's max_num_batched_tokens (an integer, or
 null: whole prompts in one forward, or absent: the key left out, for a checkout that predates
 it); BACKEND serves the backend/ folder of another checkout (e.g. an older checkout, for TTFT
 before the first token went out ahead of the step). Per arm and repeat: a fresh tritonserver on
-a copy of --model-repository with that model.json, then locust, headless: --short-users gRPC
+a copy of --model-repository with that model.json (prefix caching off: the long prompt
+repeats), then locust, headless: --short-users gRPC
 users of load_tests/locustfile.py (demo prompts, --max-tokens, greedy) and --long-users users
-that send a --long-tokens prompt every --long-every seconds (8 output tokens). Prints one row per
+that send a --long-tokens prompt every --long-every seconds (8 output tokens). --pair smollm2
+serves the real pair (SmolLM2-135M-Instruct and its draft; set up once by exspec.real_pair)
+instead of --model-repository, where a 1,000-token prompt takes seconds to prefill. Prints one row per
 run and per arm the medians over repeats of: short ITL p50/p95/p99, short TTFT p50/p95, long TTFT
 p50, requests and failures; writes them to <out>_chunking.json. Locust's percentiles are its
 own (rounded above 100 ms). This file is both the driver and the locustfile (like soak.py).
@@ -61,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens of a short request")
     p.add_argument("--torch-threads", type=int, default=1, help="the server's torch threads")
     p.add_argument("--model-repository", default=str(REPO / "model_repository"))
+    p.add_argument("--pair", choices=("demo", "smollm2"), default="demo",
+                   help="smollm2: a repository serving the real pair instead of --model-repository")
     p.add_argument("--out", default="runs/chunking/run")
     args = p.parse_args(argv)
     if args.long_tokens < 1000:
@@ -69,12 +75,14 @@ def parse_args(argv=None):
 
 
 def long_prompt(repository: Path, tokens: int) -> str:
-    """Demo prompts joined until the demo tokenizer counts at least `tokens` tokens."""
+    """Demo prompts joined until the served tokenizer counts at least `tokens` tokens."""
     from transformers import AutoTokenizer
     sys.path.insert(0, str(REPO / "client"))
     from exspec_client.prompts import load_prompts
-    demo = repository / "exspec" / "1" / "demo"
-    tokenizer = AutoTokenizer.from_pretrained(demo / "tokenizer")
+    model = repository / "exspec" / "1"
+    config = json.loads((model / "model.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(model / config.get("tokenizer", config["target_model"]))
+    demo = REPO / "model_repository" / "exspec" / "1" / "demo"
     prompts, text = itertools.cycle(load_prompts(str(demo / "prompts.jsonl"))), ""
     while len(tokenizer.encode(text, add_special_tokens=False)) < tokens:
         text += next(prompts) + "\n"
@@ -89,6 +97,8 @@ def arm_repository(args, arm: dict, folder: Path) -> Path:
     config.pop("max_num_batched_tokens", None)
     if arm["value"] != "absent":
         config["max_num_batched_tokens"] = None if arm["value"] == "null" else int(arm["value"])
+        # the long prompt repeats: a prefix cache would skip its prefill and hide the policy
+        config["enable_prefix_caching"] = False
     config["torch_threads"] = args.torch_threads
     path.write_text(json.dumps(config, indent=2))
     return repo
@@ -157,6 +167,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prompt_file = out.parent / f"{out.name}_long_prompt.txt"
+    if args.pair == "smollm2":   # model.json names the cached pair by absolute paths
+        sys.path.insert(0, str(REPO / "backend"))
+        from exspec.demo.server import _repository
+        from exspec.real_pair import ensure_pair
+        work = Path(tempfile.mkdtemp(prefix="exspec-chunking-pair-"))
+        args.model_repository = str(_repository(work, ensure_pair(), k=4))
     prompt_file.write_text(long_prompt(Path(args.model_repository), args.long_tokens))
     print(f"torch threads in the server: {args.torch_threads}; long prompt: {prompt_file}", flush=True)
     runs = []

@@ -265,9 +265,11 @@ class LLMEngine:
 
     # -- the tick -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One tick, or its first half: when a step is planned and the first half (aborts,
-        prefill) produced outputs, they are returned at once, so a first token is sent before
-        the step runs, and the next call runs that step; otherwise the whole tick."""
+        """One tick, or the part of it that produced outputs: the tick's parts are the step's
+        plan with short prompts' prefill, the step, and long prompts' chunks (SequencePool);
+        when a part produces outputs and another part is still to run, they are returned at
+        once (a first token is not held behind the step, nor a step's tokens behind a chunk)
+        and the next call runs the rest."""
         # intake and aborts in either half: after abort(id) returns, no step emits tokens for
         # id (a planned step loses the aborted rows before it runs); new requests only wait
         with self._lock:
@@ -280,12 +282,17 @@ class LLMEngine:
         for seq in held_aborted:
             seq.finish("abort")
             touched.append((seq, [], None))
-        if self.pool.planned is None:   # a new tick: the step's plan, prefill
+        pool = self.pool
+        if pool.planned is None and pool.chunks_due is None:   # a new tick: the plan, prefill
             self.faults.before_tick()
-            touched += self._guarded(self.pool.begin_tick)
-            if touched and self.pool.planned is not None:
+            touched += self._guarded(pool.begin_tick)
+            if touched and (pool.planned is not None or pool.chunks_due is not None):
                 return self._emit(touched)   # first tokens out before the step
-        touched += self._guarded(self.pool.finish_tick)
+        if pool.planned is not None:
+            touched += self._guarded(pool.finish_tick)
+            if touched and pool.chunks_due is not None:
+                return self._emit(touched)   # the step's tokens out before the chunks
+        touched += self._guarded(pool.feed_chunks)
         self._ticks += 1
         if self._ticks % self.RELEASE_EVERY_TICKS == 0 or (touched and not self.pool.num_running
                                                            and not self.pool.num_waiting):

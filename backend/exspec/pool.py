@@ -1,8 +1,9 @@
 """SequencePool: every admitted, unfinished sequence with its caches, and the tick
 (design: "EXSPEC scheduling").
 
-tick = choose a group and its k -> prefill within the tick's token budget (chunks of long
-prompts, short ones batched) -> [first tokens go out] -> step -> realign -> retire.
+tick = choose a group and its k -> prefill short prompts (and a chunk that waited its bound)
+within the tick's token budget -> [first tokens go out] -> step -> [its tokens go out] ->
+the other chunks of long prompts with what the budget leaves.
 The policy lives in `scheduler.py`; this module only holds state and carries plans out.
 """
 from __future__ import annotations
@@ -38,6 +39,9 @@ class SequencePool:
         # joins `groups` once its last chunk produced its first token
         self.prefilling: list[Group] = []
         self.planned: tuple[Group, int] | None = None   # this tick's step (group, k), not yet run
+        # this tick's chunks, not yet fed: the prompts under way due one and the budget they
+        # share (None: unlimited); None when no chunk is due
+        self.chunks_due: tuple[list[Group], int | None] | None = None
         self.scheduler = Scheduler(config, has_draft=runner.draft is not None,
                                    entries_for=runner.kv_layout.entries_for,
                                    allocation_for=runner.kv_layout.allocation_for, prefix=prefix)
@@ -84,10 +88,12 @@ class SequencePool:
         self._retire()
         return touched
 
-    # -- the tick, in two halves ----------------------------------------------------------------------
-    # begin_tick chooses the step, then spends the rest of the tick's token budget
-    # (max_num_batched_tokens) on prefill; the engine sends the first tokens it produced before
-    # finish_tick runs the step. Prefill chunks of long prompts thus alternate with steps.
+    # -- the tick, in three parts --------------------------------------------------------------------
+    # begin_tick chooses the step, then feeds the new prompts that fit the tick's token budget
+    # (max_num_batched_tokens) whole; the engine sends their first tokens, finish_tick runs the
+    # step, the engine sends its tokens, and only then feed_chunks spends what the budget leaves
+    # on long prompts' chunks. A chunk thus never delays a short prompt's first token or a
+    # step's tokens in its own tick, and chunks alternate with steps.
     def begin_tick(self) -> list[Touched]:
         with self.stats.timer("schedule"):
             plan = self.scheduler.choose(self.groups)
@@ -98,7 +104,7 @@ class SequencePool:
         budget = self.scheduler.prefill_budget(*(self.planned or (None, 0)))
         # The prefill policy: the step's tokens are counted already; a prompt under way that has
         # waited max_skipped_ticks for its next chunk goes first, then new prompts that fit
-        # whole, then the other prompts under way, oldest first, with what the budget leaves.
+        # whole, then (feed_chunks, after the step) the other prompts under way, oldest first.
         starved = [g for g in self.prefilling if g.seqs[0].skipped_ticks >= self.config.max_skipped_ticks]
         touched, budget = self._feed_chunks(starved, budget)
         with self.stats.timer("schedule"):
@@ -108,7 +114,7 @@ class SequencePool:
             self.waiting.remove(seq)
             if count:
                 whole.append(seq)
-            else:   # longer than what the tick has left: fed in chunks, from below on
+            else:   # longer than what the tick has left: fed in chunks, from feed_chunks on
                 group, failed = self._new_group([seq])
                 touched += failed
                 if group is not None:
@@ -118,8 +124,17 @@ class SequencePool:
             budget = None if budget is None else budget - sum(counts)
             group, failed = self._new_group(whole)
             touched += failed if group is None else self._prefill(group, counts)
-        more, _ = self._feed_chunks([g for g in self.prefilling if g not in starved], budget)
-        return touched + more
+        due = [g for g in self.prefilling if g not in starved]
+        self.chunks_due = (due, budget) if due else None
+        return touched
+
+    def feed_chunks(self) -> list[Touched]:
+        """The tick's last part: the prompts under way not fed yet, with what the budget left."""
+        if self.chunks_due is None:
+            return []
+        (due, budget), self.chunks_due = self.chunks_due, None
+        touched, _ = self._feed_chunks([g for g in due if g in self.prefilling], budget)  # not aborted since
+        return touched
 
     def _feed_chunks(self, groups: list[Group], budget: int | None) -> tuple[list[Touched], int | None]:
         """Feed each prompt under way its next chunk, in order, while the budget lasts; one left
@@ -256,6 +271,7 @@ class SequencePool:
     def fail_all(self, error: str) -> list[Touched]:
         seqs = self.admitted() + list(self.waiting)
         self.groups, self.prefilling, self.waiting, self.planned = [], [], deque(), None
+        self.chunks_due = None
         if self.prefix is not None:
             self.prefix.drop_claims()
         return self._fail(seqs, error)

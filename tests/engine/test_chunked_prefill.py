@@ -136,7 +136,7 @@ def short_prompts_beside_a_long_one(pairs, reference, bound: int | None = None):
     tick, fed_at, first_at, got, arrived = 0, [], {}, {}, {}
     engine.add_request("long", prompt, SamplingParams(max_tokens=8))
     while engine.has_unfinished():
-        if engine.pool.planned is None:   # a tick starts
+        if engine.pool.planned is None and engine.pool.chunks_due is None:   # a tick starts
             tick += 1
             if tick <= len(shorts):
                 engine.add_request(f"s{tick}", shorts[tick - 1], SamplingParams(max_tokens=12))
@@ -172,3 +172,42 @@ def test_a_chunk_without_a_bound_starves_negative_control(pairs, reference):
     bound = make_engine(pairs, method="exspec", max_batch_size=2, max_num_seqs=16,
                         num_speculative_tokens=K, max_num_batched_tokens=BATCHED).config.max_skipped_ticks
     assert longest_gap > bound, f"the long prompt waited at most {longest_gap} ticks (bound {bound})"
+
+
+def test_a_chunk_never_holds_back_a_first_token_or_a_steps_tokens(pairs, reference):
+    """The tick's parts: short prompts' prefill, the step, then the long prompt's chunk, each
+    part's tokens returned before the next part runs. So no engine.step() call that returns a
+    short row's tokens (a new prompt's first token, a decode step's tokens) also fed a chunk:
+    the client does not wait for the chunk's forward. Before, a chunk ran between a new
+    prompt's prefill and the return of its first token, and before the step."""
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=3,
+                         num_speculative_tokens=K, max_num_batched_tokens=BATCHED, max_num_seqs=16)
+    shorts = make_prompts(320, pairs["llama", "eos"], seed=43, count=4)[2:4]
+    late = make_prompts(320, pairs["llama", "eos"], seed=45, count=4, max_len=8)[0][:8]
+    prompt = long_prompt(pairs)
+    for i, p in enumerate(shorts):
+        engine.add_request(f"short{i}", p, SamplingParams(max_tokens=SHORT_TOKENS, ignore_eos=True))
+    engine.add_request("long", prompt, SamplingParams(max_tokens=20))
+    def prompt_fed():   # the long prompt's tokens fed so far (its decode steps not counted)
+        under_way = [s for g in engine.pool.prefilling for s in g.seqs if s.request_id == "long"]
+        if under_way:
+            return under_way[0].num_cached_target
+        return len(prompt) if got.get("long") else 0   # fed whole once its first token came
+
+    got, calls = {}, []
+    while engine.has_unfinished():
+        fed = prompt_fed()
+        if "late" not in got and fed >= 3 * BATCHED:   # mid-way through the chunks
+            engine.add_request("late", late, SamplingParams(max_tokens=12))
+            got["late"] = []
+        outs = engine.step()
+        for out in outs:
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        emitted = {o.request_id for o in outs if o.new_token_ids and o.request_id != "long"}
+        calls.append((prompt_fed() != fed, emitted))
+    target = pairs["llama", "target"]
+    assert got["long"] == reference(target, prompt, 20)
+    assert got["late"] == reference(target, late, 12)
+    assert sum(chunk for chunk, _ in calls) >= 4, "the long prompt was not fed in chunks"
+    held = [(i, emitted) for i, (chunk, emitted) in enumerate(calls) if chunk and emitted]
+    assert not held, f"tokens of {held} were returned only after a chunk's forward"
