@@ -26,7 +26,7 @@ from .noise import gumbel
 from .sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
 from .sequence import Sequence
 from .stats import Stats
-from .structured_output import allowed, apply_masks, stage_masks
+from .structured_output import StepMasks, apply_masks
 from .transfer import Transfers, Upload, floats_from_bits
 from .vocab import PaddedVocab, logit_rows
 
@@ -40,7 +40,7 @@ class StepInputs:
     start: torch.Tensor      # [B] its position
     caps: torch.Tensor       # [B] the row's k cap
     uniforms: torch.Tensor | None   # [B, 2k + 1] rejection sampling's
-    masks: torch.Tensor | None      # [B, T, V] the grammars' allowed tokens per verified position
+    masks: StepMasks | None  # the grammars' allowed tokens per verified position, being filled
 
 
 @dataclass
@@ -224,8 +224,9 @@ class ModelRunner:
         sampling = None if (whole and group.sampling is not None) else self._stage_sampling(upload, seqs)
         index = None if whole else upload.add(rows, len(rows))
         u = None if self._coupled_params(seqs) else self._stage_uniforms(upload, seqs, 1)
+        # the grammars' start masks fill while the prompt's forward runs (their own copy up)
         return (sampling, index, u, self._stage_processing(upload, seqs),
-                stage_masks(upload, seqs, None, 1))
+                StepMasks.start(seqs, self.transfers, self.logits_width, None, 1))
 
     def _first_tokens(self, group: Group, logits: torch.Tensor, rows: list[int],
                       next_pos: torch.Tensor, staged, sent: list[torch.Tensor]) -> None:
@@ -233,7 +234,7 @@ class ModelRunner:
         (next_pos [B]: each row's next position, on the device; `staged`: the sections of
         `_stage_first_tokens` in `sent`)."""
         seqs = [group.seqs[i] for i in rows]
-        sampling_at, index_at, u_at, processing_at, masks_at = staged
+        sampling_at, index_at, u_at, processing_at, masks = staged
         if index_at is None:   # every row: the group's settings, kept for its steps
             if group.sampling is None:
                 group.sampling = self._sampling_sent(sent, sampling_at, seqs)
@@ -245,8 +246,7 @@ class ModelRunner:
         scores = logits[:, :1]
         if processing_at is not None:   # the history is the prompt alone
             scores = RowProcessing(sent, processing_at, seqs, self.logits_width).apply(scores)
-        if masks_at is not None:   # the grammar's start state
-            scores = apply_masks(scores, allowed(sent, masks_at, len(seqs), self.logits_width))
+        scores = apply_masks(scores, masks)   # the grammar's start state
         first, _ = self._pick(scores[:, 0], sampling, self._noise(sampling, next_pos, 1), u)
         lp = token_logprobs(logits[:, :1], first[:, None], [s.params.logprobs for s in seqs])
         for row, (seq, token) in enumerate(zip(seqs, self.transfers.to_host(first))):
@@ -358,9 +358,11 @@ class ModelRunner:
         processing_at = self._stage_processing(upload, seqs) if group.processing is None else None
         coupled = self._coupled_params(seqs)
         u_at = None if coupled else self._stage_uniforms(upload, seqs, 2 * k + 1)
-        # the grammars' masks: at every verified position for proposals known here (n-gram), at
-        # the first for a draft model's (the rest follow its drafts, `_draft`)
-        masks_at = stage_masks(upload, seqs, proposals, k + 1 if proposals is not None else 1)
+        # the grammars' masks, filled while the forwards run: at every verified position for
+        # proposals known here (n-gram), at the first for a draft model's (the rest follow its
+        # drafts, `_draft`)
+        masks = StepMasks.start(seqs, self.transfers, self.logits_width, proposals,
+                                k + 1 if proposals is not None else 1)
         sent = upload.send(self.transfers)
 
         if group.sampling is None:
@@ -373,7 +375,7 @@ class ModelRunner:
             catch_up=None if catch_up is None else self._ragged(sent[catch_up[1]], catch_up[0]),
             draft=self._ragged(sent[draft_at], tails), pending=columns[0], start=columns[1],
             caps=columns[2], uniforms=None if u_at is None else floats_from_bits(sent[u_at]),
-            masks=None if masks_at is None else allowed(sent, masks_at, len(seqs), self.logits_width))
+            masks=masks)
 
     def _verify(self, group: Group, k: int, rows: RowSampling, coupled: bool, u, noise,
                 pending, start, draft_tokens, q, masks=None):
@@ -410,8 +412,8 @@ class ModelRunner:
     def _accept(self, group: Group, k: int, rows: RowSampling, coupled: bool, u, noise, logits,
                 draft_tokens, q, masks=None):
         """The accepted draft counts [B], the step's tokens [B, k+1] and the logprobs asked for,
-        from the target's logits [B, k+1, V] at each row's verified positions (`masks` [B, k+1,
-        V]: the tokens each row's grammar allows there)."""
+        from the target's logits [B, k+1, V] at each row's verified positions (`masks`: the
+        tokens each row's grammar allows there)."""
         seqs, processing = group.seqs, group.processing
         # position j's processing and grammar see the drafts before it, as a target-only run would
         scores = logits if processing is None else processing.apply(logits, draft_tokens)
@@ -458,16 +460,17 @@ class ModelRunner:
 
     def _draft(self, group: Group, k: int, rows: RowSampling, u: torch.Tensor | None,
                noise: torch.Tensor | None, first_input, next_pos: torch.Tensor,
-               stop: list[float] | None = None, masks: torch.Tensor | None = None):
+               stop: list[float] | None = None, masks: StepMasks | None = None):
         """k draft tokens per row (their distributions when sampling, and with `stop` their
         confidence bins), feeding the draft only what its cache lacks (`first_input`: ids,
         positions, validity, counts). With `stop`, maybe fewer: the round ends after draft j
         once every row's draft gives its token less than stop[j - 1] of its probability; the
         verification's answer does not depend on how many drafts it checks.
-        With grammars (`masks`: [B, 1, V], their first position's), each draft is proposed
-        under its position's mask and, after it, the next position's mask is computed on the
-        host from the drafts so far (one copy down, one up per draft: a constrained group's
-        price); returns the masks of every verified position with the drafts."""
+        With grammars (`masks`, their first position's started), each draft is proposed under
+        its position's mask and, after it, the next position's mask is started from the drafts
+        so far; it fills on the host while the next forward (draft, or the verification) runs
+        (one copy down, one up per draft: a constrained group's price); returns the masks
+        with every verified position's started."""
         seqs = group.seqs
         drafted: list[list[int]] = [[] for _ in seqs]
         ids, pos, valid, counts = first_input
@@ -484,10 +487,7 @@ class ModelRunner:
             if masks is not None:   # the grammars' state after this draft: its mask
                 for row, t in zip(drafted, self.transfers.to_host(token)):
                     row.append(t)
-                upload = Upload()
-                at = stage_masks(upload, seqs, drafted, j + 2, first=j + 1)
-                masks = torch.cat([masks, allowed(upload.send(self.transfers), at, len(seqs),
-                                                  self.logits_width)], dim=1)
+                masks.extend(drafted, j + 2)
             if stop is not None:
                 logits_seen.append(logits)
                 # a host read only where this depth may end the round

@@ -164,60 +164,142 @@ class RowGrammar:
         """How many of `drafts` the grammar accepts in a row from here."""
         return self.matcher.validate_tokens(drafts) if drafts else 0
 
-    def masks(self, drafts: list[int], out: np.ndarray, first: int = 0) -> None:
-        """Fill out[j - first] with position j's int32 bitmask for j in first .. len(drafts):
-        the mask of the state after drafts[:j]. Drafts are consumed tentatively and rolled back;
-        positions after a draft the grammar refuses are left as they are (that draft is
-        rejected there, so nothing later is committed)."""
-        consumed = 0
-        for j in range(len(drafts) + 1):
-            if j >= first:
-                self._fill(out[j - first])
-            if j == len(drafts) or self.matcher.is_stopped() or not self.matcher.try_consume_tokens([drafts[j]]):
-                break
-            consumed += 1
-        if consumed:
-            self.matcher.rollback(consumed)
-
-    def _fill(self, row: np.ndarray) -> None:
-        if self.matcher.is_error():   # unreachable (only masked tokens are committed): no mask,
-            row[:] = -1               # rather than an all -inf row that sampling cannot normalise
-            return
-        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.size * 4)
+    def mask(self, row: np.ndarray) -> None:
+        """Fill `row` (int32 words) with this state's bitmask."""
+        row[:] = fill_masks([self], [[]], 1)[0, 0]
 
 
-def stage_masks(upload, seqs, drafts: list[list[int]] | None, positions: int,
-                first: int = 0) -> tuple | None:
-    """The constrained rows' masks at verified positions first .. positions - 1, as sections of
-    `upload`: (rows, masks [R, positions - first, words]), or None when no row is constrained.
-    drafts[i]: row i's drafts (none: the state's own mask); positions past a row's own drafts
-    allow everything (never committed)."""
-    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-    if not rows:
-        return None
-    words = seqs[rows[0]].grammar.words
-    masks = np.full((len(rows), positions - first, words), -1, dtype=np.int32)
-    for at, row in enumerate(rows):
-        own = [] if drafts is None else drafts[row][:positions - 1]
-        seqs[row].grammar.masks(own, masks[at], first)
-    return (upload.add(rows, len(rows)),
-            upload.add(torch.from_numpy(masks), len(rows), positions - first, words))
+_llg_executor = None   # llguidance's executor: fills many matchers' masks, the GIL released
 
 
-def allowed(sent: list[torch.Tensor], staged: tuple, batch: int, vocab: int) -> torch.Tensor:
-    """[B, T, V] bool from `stage_masks`' sections (True for every token of a row it left out)."""
-    rows, words = sent[staged[0]], sent[staged[1]]
-    bits = (words[..., None] >> torch.arange(32, device=words.device)) & 1
-    unpacked = bits.bool().flatten(-2)[..., :vocab]
-    out = torch.ones(batch, words.shape[1], vocab, dtype=torch.bool, device=words.device)
-    out[rows] = unpacked
-    return out
+def fill_masks(grammars: list[RowGrammar], drafts: list[list[int]], positions: int,
+               first: int = 0) -> np.ndarray:
+    """[R, positions - first, words] int32 bitmasks: row r's at position j (first <= j <
+    positions) is that of its grammar's state after drafts[r][:j]. Past a draft the grammar
+    refuses a row allows everything (that draft is rejected there: nothing later is committed);
+    a grammar that has ended keeps its mask (EOS alone) to the last position, as it would over
+    the steps of a target-only run (an `ignore_eos` row). The matchers end where they began."""
+    global _llg_executor
+    if _llg_executor is None:
+        import llguidance
+        _llg_executor = llguidance.LLExecutor()
+    words = grammars[0].words
+    span = positions - first
+    masks = np.full((len(grammars), span, words), -1, dtype=np.int32)
+    jobs, consumed, ended = [], [], []
+    for r, (grammar, own) in enumerate(zip(grammars, drafts)):
+        matcher, own = grammar.matcher, own[:positions - 1]
+        if matcher.is_error():   # unreachable (only masked tokens are committed): no mask,
+            consumed.append(0)   # rather than an all -inf row that sampling cannot normalise
+            ended.append(None)
+            continue
+        valid = matcher.validate_tokens(own) if own else 0   # the state after own[:valid] is the last
+        stops = _stops_after(matcher, own[:valid])
+        at = min(first, valid)   # the executor starts at position `at`: consume up to it
+        if at:
+            matcher.consume_tokens(own[:at])
+        consumed.append(at)
+        if valid >= first:
+            jobs.append((matcher, r * span, own[first:valid]))
+            ended.append(valid - first if stops else None)
+        elif stops:   # ended before `first`: its end's mask from `first` on
+            jobs.append((matcher, r * span, []))
+            ended.append(0)
+        else:         # refused a draft before `first`: never committed there
+            ended.append(None)
+    # one executor call for the rows with drafts, one for those without (it wants drafts there)
+    with_drafts = [job for job in jobs if job[2]]
+    if with_drafts:
+        _llg_executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, masks.ctypes.data,
+                                                                words * 4, masks.shape[0] * span)
+    alone = [job[:2] for job in jobs if not job[2]]
+    if alone:
+        _llg_executor.unsafe_compute_mask_ptr(alone, masks.ctypes.data, words * 4, masks.shape[0] * span)
+    for r, (grammar, count, end) in enumerate(zip(grammars, consumed, ended)):
+        if count:
+            grammar.matcher.rollback(count)
+        if end is not None:
+            masks[r, end + 1:] = masks[r, end]
+    return masks
 
 
-def apply_masks(scores: torch.Tensor, mask: torch.Tensor | None, first: int = 0) -> torch.Tensor:
-    """-inf where the grammar forbids; scores [B, T, V], mask [B, >= first + T, V']."""
-    if mask is None:
+def _stops_after(matcher, tokens: list[int]) -> bool:
+    """Whether the grammar has ended once it has taken `tokens` (all valid)."""
+    if not tokens:
+        return matcher.is_stopped()
+    matcher.consume_tokens(tokens)
+    stopped = matcher.is_stopped()
+    matcher.rollback(len(tokens))
+    return stopped
+
+
+_mask_thread = None   # fills masks while the main thread runs a forward (llguidance drops the GIL)
+
+
+class StepMasks:
+    """The constrained rows' masks at the positions of one step (or prefill), made on the
+    grammar thread while the forwards run: a part is started as soon as its drafts are known
+    (`start`, `extend`), filled by llguidance and unpacked there into a [B, T, V] bool of the
+    forbidden tokens, and waited for only when a token is picked under it (`forbidden`). A
+    part goes up in its own copy (no wait for the device): the step's upload has left by then.
+    Only the copy and a masked_fill are left on the step's thread."""
+
+    def __init__(self, seqs, transfers, vocab: int):
+        self.rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        self.grammars = [seqs[i].grammar for i in self.rows]
+        self.batch, self.transfers, self.vocab = len(seqs), transfers, vocab
+        # per part: its first position and its masks (a future of the host array, then the
+        # device tensor)
+        self.parts: list[list] = []
+        self.positions = 0   # positions started
+
+    @classmethod
+    def start(cls, seqs, transfers, vocab: int, drafts: list[list[int]] | None,
+              positions: int) -> "StepMasks | None":
+        """Start positions 0 .. positions - 1 (drafts[i]: row i's drafts; None: the state's own
+        mask); None when no row is constrained."""
+        masks = cls(seqs, transfers, vocab)
+        if not masks.rows:
+            return None
+        masks.extend(drafts, positions)
+        return masks
+
+    def extend(self, drafts: list[list[int]] | None, positions: int) -> None:
+        """Start the positions from the first not started yet up to positions - 1."""
+        global _mask_thread
+        if _mask_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exspec-grammar")
+        own = [[] if drafts is None else list(drafts[i]) for i in self.rows]
+        future = _mask_thread.submit(self._forbidden, own, positions, self.positions)
+        self.parts.append([self.positions, future])
+        self.positions = positions
+
+    def _forbidden(self, own: list[list[int]], positions: int, first: int) -> np.ndarray:
+        """[B, positions - first, V] bool (on the grammar thread): True where a row's grammar
+        forbids the token; never for a free row."""
+        words = fill_masks(self.grammars, own, positions, first)
+        bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[..., :self.vocab]
+        out = np.zeros((self.batch, positions - first, self.vocab), dtype=np.bool_)
+        out[self.rows] = bits == 0
+        return out
+
+    def forbidden(self, positions: int | None = None) -> torch.Tensor:
+        """[B, T, V] bool on the device for positions 0 .. T - 1 (every started one, or the
+        first `positions`), waiting for their parts."""
+        positions = self.positions if positions is None else positions
+        parts = [part for part in self.parts if part[0] < positions]
+        for part in parts:
+            if not isinstance(part[1], torch.Tensor):
+                part[1] = self.transfers.to_device(torch.from_numpy(part[1].result()))
+        return parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts], dim=1)
+
+
+def apply_masks(scores: torch.Tensor, masks: "StepMasks | None", first: int = 0) -> torch.Tensor:
+    """-inf where the grammar forbids, at positions first .. first + T - 1 of `masks`;
+    scores [B, T, V]."""
+    if masks is None:
         return scores
     positions, vocab = scores.shape[1:]
-    keep = mask[:, first:first + positions, :vocab]
-    return scores.masked_fill(~keep, float("-inf"))
+    forbid = masks.forbidden(first + positions)[:, first:first + positions, :vocab]
+    return scores.masked_fill(forbid, float("-inf"))

@@ -81,7 +81,8 @@ def _grammars(tokenizer_path, vocab):
 
 
 def reference(pair, prompt: str, constraint: dict | None, seed: int | None,
-              temperature: float = 0.0, max_tokens: int = MAX_TOKENS) -> list[int]:
+              temperature: float = 0.0, max_tokens: int = MAX_TOKENS,
+              ignore_eos: bool = False) -> list[int]:
     """Target-only output at batch 1, the whole context re-encoded per token: greedy, or
     argmax(log p + g(seed, position)) when seeded; the grammar's mask of the state after the
     tokens so far applied to the logits at every position."""
@@ -99,7 +100,7 @@ def reference(pair, prompt: str, constraint: dict | None, seed: int | None,
             if grammar is not None:
                 import numpy as np
                 words = np.zeros((1, grammar.words), dtype=np.int32)
-                grammar.masks([], words)
+                grammar.mask(words[0])
                 bits = torch.from_numpy(np.unpackbits(words.view(np.uint8), bitorder="little"))[:vocab]
                 logits = logits.masked_fill(~bits.bool(), float("-inf"))
             if temperature:
@@ -109,7 +110,7 @@ def reference(pair, prompt: str, constraint: dict | None, seed: int | None,
             tokens.append(token)
             if grammar is not None:
                 grammar.consume([token])
-            if token == EOS:
+            if token == EOS and not ignore_eos:
                 break
     return tokens[start:]
 
@@ -150,6 +151,21 @@ def test_speculative_constrained_output_is_target_only(pair, method, proposer, k
              ("grammar", mode)]
     check_rows(pair, engine, mixed, f"{method}/{proposer}/k={k} mixed:")
     assert engine.stats_.counts["accepted_tokens"] > 0, "no draft was accepted: nothing speculated"
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_an_ended_grammar_allows_only_eos_at_every_later_position(pair, method):
+    """An ignore_eos row runs on past its grammar's end, EOS alone at every later position as
+    target-only steps give it: also at the verified positions after an accepted EOS draft
+    (the executor leaves a stopped grammar's later positions open; they must stay EOS)."""
+    engine = make_engine(pair, method, k=4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, structured_outputs=CONSTRAINTS["choice"])
+    out = engine.generate([PROMPTS[0]], [params])[0]
+    expected = reference(pair, PROMPTS[0], CONSTRAINTS["choice"], None, max_tokens=24,
+                         ignore_eos=True)
+    assert expected.count(EOS) >= 12, f"the grammar did not end early: {expected}"
+    assert out.token_ids == expected
+    assert engine.stats_.counts["accepted_tokens"] > 0
 
 
 def test_mixed_greedy_and_seeded_rows_in_one_group(pair):

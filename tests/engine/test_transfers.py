@@ -281,11 +281,13 @@ def test_on_cuda_a_tick_waits_for_the_device_once(pairs, method):
 
 @pytest.mark.parametrize("proposer", ["draft_model", "ngram"])
 def test_structured_outputs_copies_are_bounded(pairs, proposer):
-    """Grammar masks (structured_output.py) are host work: with the n-gram proposer every
-    verified position's mask rides the step's one upload (one copy each way still); with a
-    draft model each draft's mask depends on that draft, so a constrained step adds one copy
-    down (the draft) and one up (the next mask) per draft: at most 1 + k each way. Prefills
-    (the first token's mask) stay at one each way; constrained and free rows share groups."""
+    """Grammar masks (structured_output.py) are host work, filled while the forwards run, so
+    they go up in their own copy once the step's upload has left (never a wait for the device):
+    with the n-gram proposer one such copy (every verified position's masks), so a step is two
+    copies up and one down; with a draft model each draft's mask depends on that draft, so a
+    constrained step adds one copy down (the draft) and one up (the next mask) per draft: k + 2
+    up, k + 1 down. A prefill with a constrained row: two up (its first token's mask), one
+    down. Constrained and free rows share groups."""
     k = 3
     extra = (dict(proposer="ngram", draft_model=None, prompt_lookup_min=1, prompt_lookup_max=2)
              if proposer == "ngram" else {})
@@ -299,12 +301,12 @@ def test_structured_outputs_copies_are_bounded(pairs, proposer):
                                       structured_outputs=constrained if i != 1 else None)
               for i in range(4)}
     _, finished, records, ticks = audited_run(engine, arrivals, {}, params)
-    bound = 1 if proposer == "ngram" else 1 + k
+    up = {"merge": 0, "prefill": 2, "step": 2 if proposer == "ngram" else k + 2}
+    down = {"merge": 0, "prefill": 1, "step": 1 if proposer == "ngram" else k + 1}
     steps = [r for r in records if r[0] == "step"]
     for kind, h2d, d2h, where in records:
-        allowed = {"merge": 0, "prefill": 1, "step": bound}[kind]
-        assert h2d <= allowed and d2h <= allowed, f"{proposer}: a {kind}: {h2d} up, {d2h} down: {where}"
-    assert max(r[1] for r in steps) == bound, f"{proposer}: no step took the constrained path"
+        assert h2d <= up[kind] and d2h <= down[kind], f"{proposer}: a {kind}: {h2d} up, {d2h} down: {where}"
+    assert max(r[1] for r in steps) == up["step"], f"{proposer}: no step took the constrained path"
     for h2d, d2h, inner, where in ticks:
         assert (h2d, d2h) == inner, f"an engine.step() crossed outside its audited calls: {where}"
     assert len(finished) == 4

@@ -4,10 +4,12 @@
    token (the mask of each state along a valid output) with llguidance, at the pair's
    vocabulary (SmolLM2: 49,152 tokens) and the demo pair's (4,096).
 2. The engine: B running rows, each step timed, with and without a JSON schema on every row
-   (the same greedy prompts; the schema's rows are bounded so they keep stepping: max_tokens
-   ends them), medians; tokens/s is committed tokens over the measured steps' time. The host
-   time a step spends on masks (llguidance filling them, the device unpacking them: the
-   runner's two calls, timed in place) is its median per step (`masks ms per step`).
+   (the same greedy prompts; every row ignores EOS, so the batch stays whole: a schema's row
+   runs on EOS alone once its JSON is complete, max_tokens ends them), medians; tokens/s is committed tokens over the measured steps' time. Masks fill
+   on a grammar thread while the forwards run (structured_output.StepMasks): per step, the
+   median host time they cost the step's own thread (starting parts, waiting for them,
+   copying them up: `masks ms, step thread`) and the time making them took on the grammar
+   thread (llguidance filling, numpy unpacking: `made ms, beside`), both timed in place.
 Torch threads: --threads (default 1, deliberately: the mask work is host work beside the
 forwards, and one thread keeps the comparison steady on a shared machine), printed.
 """
@@ -64,7 +66,7 @@ def library(tokenizer_dir: str, label: str, rounds: int = 20) -> None:
     out = np.zeros((1, row.words), dtype=np.int32)
     start = time.perf_counter()
     for token in tokens:
-        row.masks([], out)
+        row.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)   # llguidance alone
         row.consume([token])
     per_token = (time.perf_counter() - start) / max(1, len(tokens))
     print(f"| {label} | {len(tokenizer):,} | {tokenizer_s * 1e3:.0f} | {statistics.median(compiles) * 1e3:.2f} "
@@ -77,29 +79,33 @@ def running_engine(pair: dict, method: str, k: int, batch: int, constrained: boo
     schema = {"json": ROW_SCHEMA} if constrained else None
     for i in range(batch):
         engine.add_request(f"r{i}", f"List {3 + i} cities as JSON:", SamplingParams(
-            max_tokens=4096, ignore_eos=not constrained, structured_outputs=schema))
+            max_tokens=4096, ignore_eos=True, structured_outputs=schema))
     for _ in range(3):
         engine.step()
     return engine
 
 
 class MaskTimer:
-    """Host seconds the runner spends on grammar masks (building them with llguidance and
-    unpacking them into [B, T, V]), by wrapping the two functions it calls for them."""
+    """Host seconds of grammar masks: `waited` on the step's thread (StepMasks' extend and
+    forbidden: starting parts, waiting for them, copying them up), `filled` on the grammar
+    thread (StepMasks._forbidden: llguidance filling, numpy unpacking), each by wrapping the
+    function in place."""
 
     def __init__(self):
-        from .. import runner
-        self.seconds = 0.0
-        for name in ("stage_masks", "allowed"):
-            setattr(runner, name, self._timed(getattr(runner, name)))
+        from .. import structured_output
+        self.waited = self.filled = 0.0
+        for owner, name, total in ((structured_output.StepMasks, "extend", "waited"),
+                                   (structured_output.StepMasks, "forbidden", "waited"),
+                                   (structured_output.StepMasks, "_forbidden", "filled")):
+            setattr(owner, name, self._timed(getattr(owner, name), total))
 
-    def _timed(self, function):
+    def _timed(self, function, total: str):
         def run(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                setattr(self, total, getattr(self, total) + time.perf_counter() - start)
         return run
 
 
@@ -125,7 +131,7 @@ def main(argv=None) -> None:
     pair = dict(target_model=str(root / "target"), draft_model=str(root / "draft"),
                 tokenizer=str(root / "target"))
     print(f"\nmethod {args.method}, k {args.k}, greedy, {args.steps} steps per cell")
-    print("| B | step ms, free | step ms, JSON schema | ratio | masks ms per step | masks' share | "
+    print("| B | step ms, free | step ms, JSON schema | ratio | masks ms, step thread | made ms, beside | "
           "tokens/step, free | tokens/step, schema | tokens/s, free | tokens/s, JSON schema |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     masks = MaskTimer()
@@ -134,23 +140,24 @@ def main(argv=None) -> None:
                    for name in ("free", "schema")}
         times = {name: [] for name in engines}
         tokens = {name: 0 for name in engines}
-        mask_times = []
+        mask_times, fill_times = [], []
         for i in range(args.steps):
             for name in (list(engines) if i % 2 == 0 else list(engines)[::-1]):
                 engine = engines[name]
-                before = sum(s.num_output_tokens for g in engine.pool.groups for s in g.seqs)
-                start, masked = time.perf_counter(), masks.seconds
-                engine.step()
+                start, waited, filled = time.perf_counter(), masks.waited, masks.filled
+                outputs = engine.step()
                 times[name].append(time.perf_counter() - start)
                 if name == "schema":
-                    mask_times.append(masks.seconds - masked)
-                tokens[name] += sum(s.num_output_tokens for g in engine.pool.groups for s in g.seqs) - before
+                    mask_times.append(masks.waited - waited)
+                    fill_times.append(masks.filled - filled)
+                # from the outputs: a row that finished has left the pool's groups
+                tokens[name] += sum(len(o.new_token_ids) for o in outputs)
         free, schema = (statistics.median(times[n]) for n in ("free", "schema"))
         rate = {n: tokens[n] / sum(times[n]) for n in engines}
-        mask = statistics.median(mask_times)
+        mask, fill = statistics.median(mask_times), statistics.median(fill_times)
         per_step = {n: tokens[n] / args.steps for n in engines}
         print(f"| {batch} | {free * 1e3:.1f} | {schema * 1e3:.1f} | {schema / free:.2f} | "
-              f"{mask * 1e3:.2f} | {mask / schema:.1%} | {per_step['free']:.1f} | {per_step['schema']:.1f} | "
+              f"{mask * 1e3:.2f} | {fill * 1e3:.2f} | {per_step['free']:.1f} | {per_step['schema']:.1f} | "
               f"{rate['free']:.0f} | {rate['schema']:.0f} |")
 
 
