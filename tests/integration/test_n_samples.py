@@ -121,10 +121,11 @@ def test_bad_n_and_best_of_get_invalid_arg_naming_them(server):
 def test_metrics_count_the_request_once_with_its_n_and_every_samples_tokens(server):
     """tokenwise publishes the vLLM backend's vllm: families: vllm:request_params_n observes the
     request's n once; the generation counters take both samples' tokens."""
-    def now():
+    def now():   # one scrape per name: the request counter first, as the server counts it last,
+        # so a request it shows is already in every later scrape of the others
         return {name: scrape(server, name, model="tokenwise") for name in (
-            "vllm:request_params_n_count", "vllm:request_params_n_sum",
-            "vllm:generation_tokens_total", "exspec:requests_total")}
+            "exspec:requests_total", "vllm:request_params_n_count", "vllm:request_params_n_sum",
+            "vllm:generation_tokens_total")}
 
     before = now()
     call = grpc_one(server.urls["grpc"], "tokenwise", prompt=PROMPT, sampling=SEEDED, stream=False,
