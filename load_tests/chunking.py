@@ -171,8 +171,10 @@ def main(argv=None) -> int:
         sys.path.insert(0, str(REPO / "backend"))
         from exspec.demo.server import _repository
         from exspec.real_pair import ensure_pair
-        work = Path(tempfile.mkdtemp(prefix="exspec-chunking-pair-"))
+        work = Path(tempfile.mkdtemp(prefix="exspec-chunking-pair-"))   # copied per run; small
         args.model_repository = str(_repository(work, ensure_pair(), k=4))
+        import atexit
+        atexit.register(shutil.rmtree, work, ignore_errors=True)
     prompt_file.write_text(long_prompt(Path(args.model_repository), args.long_tokens))
     print(f"torch threads in the server: {args.torch_threads}; long prompt: {prompt_file}", flush=True)
     runs = []

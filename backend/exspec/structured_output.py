@@ -164,11 +164,6 @@ class RowGrammar:
         """How many of `drafts` the grammar accepts in a row from here."""
         return self.matcher.validate_tokens(drafts) if drafts else 0
 
-    def mask(self, row: np.ndarray) -> None:
-        """Fill `row` (int32 words) with this state's bitmask."""
-        row[:] = fill_masks([self], [[]], 1)[0, 0]
-
-
 _llg_executor = None   # llguidance's executor: fills many matchers' masks, the GIL released
 
 
@@ -194,10 +189,12 @@ def fill_masks(grammars: list[RowGrammar], drafts: list[list[int]], positions: i
             ended.append(None)
             continue
         valid = matcher.validate_tokens(own) if own else 0   # the state after own[:valid] is the last
-        stops = _stops_after(matcher, own[:valid])
-        at = min(first, valid)   # the executor starts at position `at`: consume up to it
-        if at:
-            matcher.consume_tokens(own[:at])
+        if valid:
+            matcher.consume_tokens(own[:valid])
+        stops = matcher.is_stopped()
+        at = min(first, valid)   # the executor starts at position `at`: keep own[:at] consumed
+        if valid > at:
+            matcher.rollback(valid - at)
         consumed.append(at)
         if valid >= first:
             jobs.append((matcher, r * span, own[first:valid]))
@@ -223,16 +220,6 @@ def fill_masks(grammars: list[RowGrammar], drafts: list[list[int]], positions: i
     return masks
 
 
-def _stops_after(matcher, tokens: list[int]) -> bool:
-    """Whether the grammar has ended once it has taken `tokens` (all valid)."""
-    if not tokens:
-        return matcher.is_stopped()
-    matcher.consume_tokens(tokens)
-    stopped = matcher.is_stopped()
-    matcher.rollback(len(tokens))
-    return stopped
-
-
 _mask_thread = None   # fills masks while the main thread runs a forward (llguidance drops the GIL)
 
 
@@ -248,8 +235,8 @@ class StepMasks:
         self.rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         self.grammars = [seqs[i].grammar for i in self.rows]
         self.batch, self.transfers, self.vocab = len(seqs), transfers, vocab
-        # per part: its first position and its masks (a future of the host array, then the
-        # device tensor)
+        # per part: its first position, its count and its masks (a future of the host array,
+        # then the device tensor)
         self.parts: list[list] = []
         self.positions = 0   # positions started
 
@@ -272,7 +259,7 @@ class StepMasks:
             _mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exspec-grammar")
         own = [[] if drafts is None else list(drafts[i]) for i in self.rows]
         future = _mask_thread.submit(self._forbidden, own, positions, self.positions)
-        self.parts.append([self.positions, future])
+        self.parts.append([self.positions, positions - self.positions, future])
         self.positions = positions
 
     def _forbidden(self, own: list[list[int]], positions: int, first: int) -> np.ndarray:
@@ -284,15 +271,16 @@ class StepMasks:
         out[self.rows] = bits == 0
         return out
 
-    def forbidden(self, positions: int | None = None) -> torch.Tensor:
-        """[B, T, V] bool on the device for positions 0 .. T - 1 (every started one, or the
-        first `positions`), waiting for their parts."""
-        positions = self.positions if positions is None else positions
-        parts = [part for part in self.parts if part[0] < positions]
+    def forbidden(self, first: int = 0, end: int | None = None) -> torch.Tensor:
+        """[B, end - first, V] bool on the device for positions first .. end - 1 (end: every
+        started one), waiting for the parts that hold them and only those."""
+        end = self.positions if end is None else end
+        parts = [p for p in self.parts if p[0] < end and p[0] + p[1] > first]
         for part in parts:
-            if not isinstance(part[1], torch.Tensor):
-                part[1] = self.transfers.to_device(torch.from_numpy(part[1].result()))
-        return parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts], dim=1)
+            if not isinstance(part[2], torch.Tensor):
+                part[2] = self.transfers.to_device(torch.from_numpy(part[2].result()))
+        held = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts], dim=1)
+        return held[:, first - parts[0][0]:end - parts[0][0]]
 
 
 def apply_masks(scores: torch.Tensor, masks: "StepMasks | None", first: int = 0) -> torch.Tensor:
@@ -301,5 +289,4 @@ def apply_masks(scores: torch.Tensor, masks: "StepMasks | None", first: int = 0)
     if masks is None:
         return scores
     positions, vocab = scores.shape[1:]
-    forbid = masks.forbidden(first + positions)[:, first:first + positions, :vocab]
-    return scores.masked_fill(forbid, float("-inf"))
+    return scores.masked_fill(masks.forbidden(first, first + positions)[..., :vocab], float("-inf"))

@@ -211,3 +211,43 @@ def test_a_chunk_never_holds_back_a_first_token_or_a_steps_tokens(pairs, referen
     assert sum(chunk for chunk, _ in calls) >= 4, "the long prompt was not fed in chunks"
     held = [(i, emitted) for i, (chunk, emitted) in enumerate(calls) if chunk and emitted]
     assert not held, f"tokens of {held} were returned only after a chunk's forward"
+
+
+def test_abort_while_a_chunk_is_due_feeds_it_no_more(pairs, reference):
+    """abort(long) between the tick's parts, its next chunk already due (the step's tokens went
+    out, feed_chunks has not run): the next call ends it with no tokens and feeds it nothing
+    more (the target's prefill count stops at what it had fed), and the rows beside it stay exact."""
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=3,
+                         num_speculative_tokens=K, max_num_batched_tokens=BATCHED, max_num_seqs=16)
+    shorts = make_prompts(320, pairs["llama", "eos"], seed=43, count=4)[2:4]
+    for i, p in enumerate(shorts):
+        engine.add_request(f"short{i}", p, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.add_request("long", long_prompt(pairs), SamplingParams(max_tokens=20))
+    got = {}
+
+    def long_under_way():
+        return next((s for g in engine.pool.prefilling for s in g.seqs if s.request_id == "long"), None)
+
+    for _ in range(200):   # until a step's tokens went out with the long prompt's chunk due
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        due = engine.pool.chunks_due
+        seq = long_under_way()
+        if due and seq is not None and seq.num_cached_target >= 2 * BATCHED and any(
+                s is seq for g in due[0] for s in g.seqs):
+            break
+    else:
+        pytest.fail("the long prompt's chunk was never due between the tick's parts")
+    fed = seq.num_cached_target
+    prefilled = engine.stats()["prefill_tokens_target"]
+    engine.abort("long")
+    final = {o.request_id: o for o in engine.step()}["long"]
+    assert final.finished and final.finish_reason == "abort" and final.new_token_ids == []
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert engine.stats()["prefill_tokens_target"] == prefilled, "a chunk was fed after the abort"
+    assert fed < len(long_prompt(pairs)) and "long" not in got
+    for i, p in enumerate(shorts):
+        expected = reference(pairs["llama", "target"], p, 40)
+        assert got[f"short{i}"][:len(expected)] == expected, f"short{i} differs"

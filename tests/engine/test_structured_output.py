@@ -85,7 +85,8 @@ def reference(pair, prompt: str, constraint: dict | None, seed: int | None,
               ignore_eos: bool = False) -> list[int]:
     """Target-only output at batch 1, the whole context re-encoded per token: greedy, or
     argmax(log p + g(seed, position)) when seeded; the grammar's mask of the state after the
-    tokens so far applied to the logits at every position."""
+    tokens so far (llguidance's, not the engine's fill_masks) applied to the logits at every
+    position."""
     model = _model(pair["target"])
     vocab = model.config.vocab_size
     tokenizer = AutoTokenizer.from_pretrained(pair["tokenizer"])
@@ -99,8 +100,8 @@ def reference(pair, prompt: str, constraint: dict | None, seed: int | None,
             logits = model(input_ids=torch.tensor([tokens])).logits[:, -1:].float()
             if grammar is not None:
                 import numpy as np
-                words = np.zeros((1, grammar.words), dtype=np.int32)
-                grammar.mask(words[0])
+                words = np.zeros((1, grammar.words), dtype=np.int32)   # llguidance's own mask
+                grammar.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
                 bits = torch.from_numpy(np.unpackbits(words.view(np.uint8), bitorder="little"))[:vocab]
                 logits = logits.masked_fill(~bits.bool(), float("-inf"))
             if temperature:
