@@ -54,13 +54,13 @@ OPENERS = ["Write", "How", "What", "Explain", "Can you", "Give me", "Why", "List
            "Calculate", "Define", "Plan", "Design", "Fix", "Implement", "Recommend"]
 
 
-def make_questions(target, tok, n, batch, seed):
-    """n distinct user turns written by the target (see step 1)."""
+def make_questions(target, tok, n, batch, seed, exclude=frozenset()):
+    """n distinct user turns written by the target, none of them in `exclude` (see step 1)."""
     header = chat_prompt(tok, "X").split("<|im_start|>user")[0] + "<|im_start|>user\n"
     held_out = {q for _, q in QUESTIONS}
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    seen, out = set(), []
+    seen, out = set(exclude), []
     bar = tqdm(total=n, desc="questions", dynamic_ncols=True)
     while len(out) < n:
         openers = [rng.choice(OPENERS) for _ in range(batch)]
@@ -80,6 +80,29 @@ def make_questions(target, tok, n, batch, seed):
             bar.update(1)
     bar.close()
     return out[:n]
+
+
+def load_or_make_data(target, tok, work: Path, seed, n_questions, answer_tokens, earlier):
+    """One data chunk (questions, answers) for a seed, made once and kept in `work`; a stage
+    reused from there reports the time it took when it was made. Questions already in
+    `earlier` chunks are not asked again."""
+    key = f"seed{seed}-q{n_questions}"
+    qpath = work / f"questions-{key}.json"
+    apath = work / f"answers-{key}-a{answer_tokens}.pt"
+    times_path = work / f"times-{key}-a{answer_tokens}.json"
+    times = json.loads(times_path.read_text()) if times_path.exists() else {}
+    if not qpath.exists():
+        t0 = time.monotonic()
+        qs = make_questions(target, tok, n_questions, 64, seed, exclude=set(earlier))
+        qpath.write_text(json.dumps(qs))
+        times["questions"] = time.monotonic() - t0
+    questions = json.loads(qpath.read_text())
+    if not apath.exists():
+        t0 = time.monotonic()
+        torch.save(make_answers(target, tok, questions, answer_tokens, 32, seed), apath)
+        times["answers"] = time.monotonic() - t0
+    times_path.write_text(json.dumps(times))
+    return torch.load(apath), times, questions
 
 
 @torch.no_grad()
@@ -286,7 +309,10 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="torch threads for making data "
                     "and training (measurements always use 1)")
-    ap.add_argument("--questions", type=int, default=2400)
+    ap.add_argument("--questions", type=int, default=2400, help="questions per data seed")
+    ap.add_argument("--data-seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0],
+                    help="one chunk of --questions answered questions per seed, e.g. 0,1; the "
+                    "held-out answers are always the first seed's")
     ap.add_argument("--answer-tokens", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
@@ -309,28 +335,21 @@ def main(argv=None):
     target.eval()
     args.work.mkdir(parents=True, exist_ok=True)
 
-    key = f"seed{args.seed}-q{args.questions}"
-    qpath = args.work / f"questions-{key}.json"
-    apath = args.work / f"answers-{key}-a{args.answer_tokens}.pt"
-    # a stage reused from --work reports the time it took when it was made
-    times_path = args.work / f"times-{key}-a{args.answer_tokens}.json"
-    times = json.loads(times_path.read_text()) if times_path.exists() else {}
-    if not qpath.exists():
-        t0 = time.monotonic()
-        qpath.write_text(json.dumps(make_questions(target, tok, args.questions, 64, args.seed)))
-        times["questions"] = time.monotonic() - t0
-    questions = json.loads(qpath.read_text())
-    if not apath.exists():
-        t0 = time.monotonic()
-        torch.save(make_answers(target, tok, questions, args.answer_tokens, 32, args.seed),
-                   apath)
-        times["answers"] = time.monotonic() - t0
-    times_path.write_text(json.dumps(times))
-    examples = torch.load(apath)
-
-    random.Random(args.seed).shuffle(examples)
-    n_val = max(1, len(examples) // 20)
-    val_set, train_set = examples[:n_val], examples[n_val:]
+    # data comes in chunks of --questions, one per data seed; the held-out answers are always
+    # the first seed's (the same 5% whatever is added), so agreement compares across data sizes
+    examples, times, questions = [], {}, []
+    for data_seed in args.data_seeds:
+        chunk, chunk_times, chunk_questions = load_or_make_data(
+            target, tok, args.work, data_seed, args.questions, args.answer_tokens, questions)
+        random.Random(data_seed).shuffle(chunk)
+        examples.append(chunk)
+        questions += chunk_questions
+        for k, v in chunk_times.items():
+            times[k] = times.get(k, 0.0) + v
+    n_val = max(1, len(examples[0]) // 20)
+    val_set = examples[0][:n_val]
+    train_set = examples[0][n_val:] + [e for chunk in examples[1:] for e in chunk]
+    examples = [e for chunk in examples for e in chunk]
     torch.manual_seed(args.seed)
     draft = make_draft(target, args.hidden, args.layers, args.inter, args.heads, args.kv_heads)
     t0 = time.monotonic()

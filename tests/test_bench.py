@@ -71,7 +71,7 @@ def bench_inputs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bench_run(bench_inputs):
     root, args = bench_inputs
-    assert main(args + ["--max-tokens", "6", "--fixed-k", "1,3", "--out", str(root / "out")]) == 0
+    assert main(args + ["--max-tokens", "6", "--fixed-k", "0,1,3", "--out", str(root / "out")]) == 0
     return root / "out"
 
 
@@ -82,13 +82,27 @@ def test_adaptive_k_is_compared_with_every_fixed_k(bench_run):
         for batch in (1, 2):
             fixed = sorted(c["k"] for c in cells if c["method"] == method and c["batch_size"] == batch
                            and c["adaptive_k"] is False)
-            assert fixed == [1, 3], f"{method} B={batch}: fixed k's {fixed}"
+            assert fixed == [0, 1, 3], f"{method} B={batch}: fixed k's {fixed}"
     md = (bench_run / "results.md").read_text()
     table = md.split("## Adaptive k against the best fixed k")[1]
     rows = [line for line in table.splitlines() if line.startswith("| exspec (adaptive") or
             line.startswith("| eqspec (adaptive")]
     assert len(rows) == 4, table
     assert all(re.search(r"\| \d+\.\d\d \(\d+\.\d\d\) \|", row) for row in rows), table   # with the paired ratio
+
+
+def test_fixed_k_zero_is_the_methods_layout_without_speculation(bench_run):
+    """--fixed-k 0: the method's own layout decoding plainly (what speculation adds on top of
+    it is then visible beside autoregressive, which runs EQSPEC's layout): exact, no drafts."""
+    cells = json.loads((bench_run / "results.json").read_text())["cells"]
+    plain = [c for c in cells if c["k"] == 0 and c["adaptive_k"] is False]
+    assert sorted((c["method"], c["batch_size"]) for c in plain) == [
+        (m, b) for m in ("eqspec", "eqspec_ngram", "exspec", "exspec_ngram") for b in (1, 2)]
+    for c in plain:
+        assert c["exact_match_share"] == 1.0, c
+        assert c["acceptance_rate"] is None, c           # no draft token was proposed
+        assert c["mean_accepted_length"] == 1.0, c       # one token per row-step
+    assert "| exspec (k=0) | 2 |" in (bench_run / "results.md").read_text()
 
 
 def test_bench_writes_the_three_files(bench_run):

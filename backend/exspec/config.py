@@ -100,7 +100,7 @@ class EngineConfig:
                 raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy "
                                  f"1 <= min <= max, got {self.prompt_lookup_min} and "
                                  f"{self.prompt_lookup_max}")
-        elif self.method != "autoregressive" and not self.draft_model:
+        elif self.speculative and not self.draft_model:   # k = 0: the layout alone, no drafts
             raise ValueError(f"method {self.method!r} needs a draft_model (or proposer 'ngram')")
         if self.sampling_coupling not in COUPLINGS:
             raise ValueError(f"unknown sampling_coupling {self.sampling_coupling!r}; expected one of "

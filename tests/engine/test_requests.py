@@ -158,6 +158,10 @@ def test_bad_engine_configs_get_clear_errors(pairs, tmp_path):
         EngineConfig(**base, method="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(**base, num_speculative_tokens=-1)
+    no_draft = {**base, "draft_model": None}
+    with pytest.raises(ValueError, match="method 'exspec' needs a draft_model"):
+        EngineConfig(**no_draft, method="exspec")
+    assert not EngineConfig(**no_draft, method="exspec", num_speculative_tokens=0).speculative
     with pytest.raises(ValueError, match="unknown sampling_coupling 'maximal'; expected one of "
                                          "gumbel, rejection"):
         EngineConfig.from_dict({**base, "sampling_coupling": "maximal"})

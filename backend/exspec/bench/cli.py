@@ -171,7 +171,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("-k", type=int, default=5, help="speculative tokens (max k when adaptive)")
     ap.add_argument("--fixed-k", default=None,
                     help="comma list of fixed k's to run beside adaptive k (default: -k alone); "
-                         "results.md then compares adaptive with the best of them")
+                         "results.md then compares adaptive with the best of them. 0: the "
+                         "method's own layout without speculation (what speculation adds)")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--repeats", type=int, default=3)
@@ -210,8 +211,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     args.fixed_k = sorted({int(k) for k in args.fixed_k.split(",") if k.strip()}) if args.fixed_k else None
-    if args.fixed_k and (min(args.fixed_k) < 1 or max(args.fixed_k) > args.k):
-        ap.error("--fixed-k: each k in 1..-k")
+    if args.fixed_k and (min(args.fixed_k) < 0 or max(args.fixed_k) > args.k):
+        ap.error("--fixed-k: each k in 0..-k")
     if min(args.batch_sizes) < 1 or args.k < 1 or args.repeats < 1 or args.num_prompts < 1:
         ap.error("batch sizes, -k, --repeats and --num-prompts must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.seed < 0:

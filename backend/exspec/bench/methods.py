@@ -109,7 +109,9 @@ class EngineMethod(Method):
         self.key = key
         self.device = args.device
         method, proposer = ENGINE_METHODS[key.method]
-        drafted = method != "autoregressive" and proposer == "draft_model"
+        # a fixed k = 0 runs the method's layout without speculation: no draft to load
+        drafted = (method != "autoregressive" and proposer == "draft_model"
+                   and (key.adaptive_k or key.k > 0))
         self.engine = LLMEngine(EngineConfig(
             target_model=args.target, draft_model=args.draft if drafted else None,
             tokenizer=args.tokenizer, method=method, proposer=proposer,
