@@ -58,9 +58,12 @@ class AdaptiveK:
     verifier this favours a larger k. A plain step (k = 0) costs `plain` x rest, its own
     ratio measured at the rest of its moment; until measured it is taken as costly as rest. A
     bucket not measured yet borrows the nearest measured bucket's costs.
-    Exploration is optimistic, not blind: plain decoding, not yet measured at this batch size,
-    counts EXPLORE_BONUS better than its estimate, so it is tried when it is a close contender
-    and not when speculation clearly pays. Speculation is probed again after
+    Plain decoding is measured once per batch-size bucket, by one plain step right after the
+    bucket's first speculative step: its cost cannot be told from speculative steps (on a
+    compute-bound verifier a one-token step costs a fraction of a k + 1 wide one, on a
+    memory-bound one about as much), and taking it as costly as `rest` kept a marginal draft
+    speculating at B = 8 on a CPU at 0.91x plain decoding (an optimism bonus of 1.3 on that
+    guess still lost to 1.66 tokens per step). Speculation is probed again after
     PROBE_EVERY plain steps, at the k most likely to pay, and twice as rarely each time a probe
     leads back to plain decoding.
     """
@@ -69,7 +72,6 @@ class AdaptiveK:
     # beyond itself, and neighbouring k's near the best differ by 5-9% on the demo pair: a
     # wider margin (10% before) left k one below its best for good.
     GAIN_TO_SWITCH = 1.03
-    EXPLORE_BONUS = 1.30    # optimism for plain decoding not yet measured at this batch size
     PROBE_EVERY = 8         # plain steps before speculation is tried again (doubles up to 256)
     EMA = 0.1               # of a bucket's costs, per step measured there (~10 steps' memory)
     DECAY = 0.9             # of the pool-wide acceptance counts, per speculative step
@@ -147,8 +149,9 @@ class AdaptiveK:
             # re-measure acceptance now and then, more rarely each time, at the k most likely
             # to pay (at low acceptance the cheapest probe, k = 1)
             return max(range(1, cap + 1), key=rates.__getitem__)
-        if self.bucket(batch) not in self.plain:
-            rates[0] *= self.EXPLORE_BONUS   # plain decoding, unmeasured here: tried if close
+        here = self.bucket(batch)
+        if here in self.rest and here not in self.plain:
+            return 0   # plain decoding, unmeasured at this bucket: one step measures it
         best = max(range(cap + 1), key=rates.__getitem__)
         choice = best if rates[best] > rates[current] * self.GAIN_TO_SWITCH else current
         if choice > 0 and current > 0:

@@ -277,18 +277,27 @@ def test_adaptive_k_hysteresis_and_fallback_to_plain():
     assert ak.choose(G(13, 5, 0.05), 5) == 0
 
 
-def test_adaptive_k_tries_plain_decoding_only_as_a_close_contender():
-    """Before any plain step at a batch size, plain decoding counts as costly as a speculative
-    step besides its drafts, with the exploration bonus: tried when it could win, never when
-    speculation clearly pays; once measured, the measurement decides."""
-    cheap = AdaptiveK(max_k=5)
-    costs(cheap, 1, rest=1.0, draft=0.12)               # draft ~ 1/9 of the target
-    assert cheap.cost(1, 0) == 1.0
-    assert cheap.choose(G(1, 5, 0.8), 5) == 5           # 2.3 tokens per unit vs plain's 1.3
-    assert cheap.choose(G(1, 1, 0.2), 5) == 0           # 1.07 vs 1.3: worth a try
-    cheap.observe(1, 0, 1.0, 0.0, [0])                  # plain measured: as costly as rest
-    assert cheap.plain[1] == 1.0
-    assert cheap.choose(G(1, 0, 0.2), 5) == 1           # 1.07 vs 1.0 measured: back to k = 1
+def test_adaptive_k_measures_plain_decoding_once_per_batch_size():
+    """Plain decoding's cost cannot be told from speculative steps (a one-token step costs a
+    fraction of a k + 1 wide one on a compute-bound CPU, about as much on a memory-bound GPU),
+    so one plain step measures it right after a bucket's first speculative step, however well
+    speculation seems to pay; from then on the measurement decides."""
+    ak = AdaptiveK(max_k=5)
+    assert ak.choose(G(8, 4, 0.5), 5) == 4              # nothing measured: the first step tells
+    ak.observe(8, 4, 2.0, 0.4, [1] * 8)                 # rest 1.6 s, a draft 0.1 s; 2 tokens a row
+    assert ak.cost(8, 0) == pytest.approx(1.6)          # plain, unmeasured: taken as rest
+    tokens = ak.tokens_by_k(0.5)
+    assert tokens[4] / ak.cost(8, 4) > 1.2 / ak.cost(8, 0)   # speculation looks 20% better ...
+    assert ak.choose(G(8, 4, 0.5), 5) == 0              # ... yet plain decoding is measured once
+    ak.observe(8, 0, 0.6, 0.0, [0] * 8)                 # 0.6 s: well below rest
+    assert ak.plain[8] == pytest.approx(0.6 / 1.6)
+    assert ak.choose(G(8, 0, 0.5), 5) == 0              # 1 token per 0.6 s beats 2 per 2.0 s
+    # another bucket measures its own (a group shrinks as rows finish); where speculation
+    # pays (every draft accepted), the measurement sends it straight back
+    ak.observe(1, 4, 1.0, 0.2, [4])
+    assert ak.choose(G(1, 4, 0.95), 5) == 0
+    ak.observe(1, 0, 0.6, 0.0, [0])
+    assert ak.choose(G(1, 0, 0.95), 5) > 0
 
 
 def test_adaptive_k_measures_what_each_k_commits():
@@ -345,7 +354,8 @@ def test_adaptive_k_compares_costs_at_one_machine_speed():
     swings step by step: k stays at its best, since the costs that tell k's apart are measured
     at the same moments. When drafting alone gets costlier, k moves down."""
     ak = AdaptiveK(max_k=5)
-    assert _drive(ak, 1.0, 1 / 3, 1.0, 20, 5) == [5] * 20
+    # one plain step measures plain decoding after the first speculative step
+    assert _drive(ak, 1.0, 1 / 3, 1.0, 20, 5) == [5, 0] + [5] * 18
     assert _drive(ak, 1.0, 1 / 3, 1.25, 50, 5) == [5] * 50
     swings = iter([0.8, 1.2, 1.0, 1.25, 0.9] * 20)
     ran = [_drive(ak, 1.0, 1 / 3, next(swings), 1, 5)[0] for _ in range(100)]
