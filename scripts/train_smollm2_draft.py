@@ -22,7 +22,7 @@ config says float32, so it loads and runs in float32), config.json, generation_c
 metrics.json, model_card.md, loss_curve.png. `python -m exspec.real_pair` installs it next to
 the converted target.
 
-    python scripts/train_smollm2_draft.py                 # full run, ~1 hour on 2 cores
+    python scripts/train_smollm2_draft.py                 # full run, ~1 h 45 min on 2 cores
     python scripts/train_smollm2_draft.py --tiny --out /tmp/d --work /tmp/w   # smoke, ~1 min
 """
 from __future__ import annotations
@@ -283,7 +283,8 @@ def write_card(out: Path, m: dict):
         f"| decode forward, B = 1, 1 thread | {cost['target_decode_ms']:.1f} ms | "
         f"{cost['draft_decode_ms']:.2f} ms (ratio {cost['ratio_decode']:.3f}) |",
         "",
-        f"Data: {m['questions']} questions, {m['answer_tokens']:,} answer tokens "
+        f"Data: {m['questions']} questions (data seeds "
+        f"{', '.join(map(str, s.get('data_seeds', [s['seed']])))}), {m['answer_tokens']:,} answer tokens "
         f"({m['sampled_share']:.0%} of answers sampled at T = 0.7), {m['val_examples']} held "
         f"out. Training: {s['epochs']} epochs, batch {s['batch']}, AdamW peak lr {s['lr']}.",
         f"Times: questions {m['time_questions_s'] / 60:.1f} min, answers "
@@ -310,7 +311,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="torch threads for making data "
                     "and training (measurements always use 1)")
     ap.add_argument("--questions", type=int, default=2400, help="questions per data seed")
-    ap.add_argument("--data-seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0],
+    ap.add_argument("--data-seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 1],
                     help="one chunk of --questions answered questions per seed, e.g. 0,1; the "
                     "held-out answers are always the first seed's")
     ap.add_argument("--answer-tokens", type=int, default=128)
@@ -319,13 +320,14 @@ def main(argv=None):
     ap.add_argument("--inter", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--epochs", type=int, default=7)
+    ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=4e-3)
     ap.add_argument("--tiny", action="store_true", help="a minute-long smoke run")
     args = ap.parse_args(argv)
     if args.tiny:
         args.questions, args.answer_tokens, args.epochs, args.layers = 24, 16, 1, 1
+        args.data_seeds = [0]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
