@@ -62,7 +62,7 @@ class AdaptiveK:
     bucket's first speculative step: its cost cannot be told from speculative steps (on a
     compute-bound verifier a one-token step costs a fraction of a k + 1 wide one, on a
     memory-bound one about as much), and taking it as costly as `rest` kept a marginal draft
-    speculating at B = 8 on a CPU at 0.91x plain decoding (an optimism bonus of 1.3 on that
+    speculating at B = 8 on a CPU at 0.91x autoregressive (an optimism bonus of 1.3 on that
     guess still lost to 1.66 tokens per step). Speculation is probed again after
     PROBE_EVERY plain steps, at the k most likely to pay, and twice as rarely each time a probe
     leads back to plain decoding.
