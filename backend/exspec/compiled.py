@@ -357,7 +357,7 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int) -> WarmUp:
     """Run every decode forward kind at 1 and 2 rows so that all compiling happens now.
     `make_sequence(request_id, prompt_ids, params)` builds an engine Sequence. With CUDA graphs
     the schedule runs twice: cudagraph trees run a graph's first call without capturing it."""
-    forwards = [runner.decode_forwards[m] for m in (runner.target, runner.draft)
+    forwards = [runner.decode_forwards[m] for m in (runner.target, *runner.proposer.models)
                 if m in runner.decode_forwards]
     cuda_graphs = any(f.cuda_graphs for f in forwards)
     rounds = 2 if cuda_graphs else 1
@@ -372,8 +372,7 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int) -> WarmUp:
         group = runner.new_group([make_sequence(f"warm-up-{batch}-{i}", p, params)
                                   for i, p in enumerate(prompts)])
         runner.prefill(group, [len(p) for p in prompts])
-        proposes = runner.draft is not None or runner.proposer is not None
-        for step_k in warm_up_schedule(k if proposes else 0) * rounds:
+        for step_k in warm_up_schedule(k if runner.proposer.proposes else 0) * rounds:
             runner.step(group, step_k)
             group.realign()
     for forward in forwards:

@@ -25,12 +25,14 @@ from .faults import Faults
 from .logits_processing import bad_words_token_ids
 from .kv_blocks import BlockStores
 from .models import ModelPair, load_pair, model_devices
+from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
 from .outputs import CompletionOutput, RequestOutput
 from .parallel_sampling import ParallelSampling, child_id, child_params
 from .params import SamplingParams
 from .pool import SequencePool, Touched
 from .prefix_cache import PrefixCaching
+from .proposer import Proposer
 from .runner import ModelRunner
 from .sequence import Sequence
 from .stats import Stats
@@ -79,6 +81,16 @@ def kv_bytes_per_entry(model) -> int:
     return 2 * cfg.num_hidden_layers * heads * head_dim * model.dtype.itemsize
 
 
+def proposer_for(config: EngineConfig, pair: ModelPair, pad_id: int) -> Proposer:
+    """The proposer the config asks for, decided once, at load (proposer.py): the draft model,
+    prompt lookup, or none (autoregressive, k = 0: plain decoding on the method's layout)."""
+    if not config.speculative:
+        return Proposer()
+    if config.proposer == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    return DraftModelProposer(pair.draft, PaddedVocab.of(pair.target, pair.draft, pair.tokenizer, pad_id))
+
+
 class LLMEngine:
     RELEASE_EVERY_TICKS = 1000
     def __init__(self, config: EngineConfig, pair: ModelPair | None = None):
@@ -93,29 +105,29 @@ class LLMEngine:
         self.pair = pair
         self.tokenizer = pair.tokenizer
         self.target, self.draft = pair.target, pair.draft
+        pad_id = self.tokenizer.pad_token_id
+        pad_id = pad_id if pad_id is not None else min(pair.eos_ids, default=0)
+        self.proposer = proposer_for(config, pair, pad_id)
+        models = (self.target, *self.proposer.models)
         self.eos_ids = pair.eos_ids
         self.grammars = Grammars(self.tokenizer, self.eos_ids, logit_rows(self.target))
         self.max_model_len = pair.max_model_len
         self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len - 1,
                                      self.max_model_len - 1)
         if config.max_num_kv_tokens is None and config.device.startswith("cuda"):
-            config.max_num_kv_tokens = kv_token_budget(self.target, self.draft,
+            config.max_num_kv_tokens = kv_token_budget(*models,
                                                        utilization=config.gpu_memory_utilization)
             if config.max_num_kv_tokens <= 0:
                 raise ModelLoadError(f"no GPU memory is left for the KV cache once the models are "
                                      f"loaded (gpu_memory_utilization "
                                      f"{config.gpu_memory_utilization}); raise it or set "
                                      f"max_num_kv_tokens")
-        self.stats_ = Stats(model_devices(self.target, self.draft) | {torch.device(config.device)})
-        pad_id = self.tokenizer.pad_token_id
-        pad_id = pad_id if pad_id is not None else min(self.eos_ids, default=0)
-        layout = kv_layout(config, (self.target, self.draft))
+        self.stats_ = Stats(model_devices(*models) | {torch.device(config.device)})
+        layout = kv_layout(config, (self.target, *self.proposer.kv_models))
         self.faults = Faults(config.fault_injection)
-        self.runner = ModelRunner(self.target, self.draft, pad_id, config.device, self.stats_,
-                                  layout, self.faults,
-                                  PaddedVocab.of(self.target, self.draft, self.tokenizer, pad_id),
-                                  config.sampling_coupling, self._proposer())
-        prefix = (PrefixCaching([layout.store(m) for m in (self.target, self.draft) if m is not None])
+        self.runner = ModelRunner(self.target, self.proposer, pad_id, config.device, self.stats_,
+                                  layout, self.faults, config.sampling_coupling)
+        prefix = (PrefixCaching([layout.store(m) for m in (self.target, *self.proposer.kv_models)])
                   if isinstance(layout, BlockStores) and layout.prefix_caching else None)
         self.pool = SequencePool(config, self.runner, self.stats_, prefix)
         self._lock = threading.Lock()
@@ -131,12 +143,6 @@ class LLMEngine:
         if not config.enforce_eager:
             self._compile_decode_path()
 
-    def _proposer(self) -> NgramProposer | None:
-        """The n-gram proposer, when it proposes instead of a draft model."""
-        if self.config.proposer != "ngram" or not self.config.speculative:
-            return None
-        return NgramProposer(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-
     def _compile_decode_path(self) -> None:
         """Compile the step's forwards and run each kind once, so that READY means warm."""
         # CUDA graphs need static storage: EXSPEC's block store (EQSPEC's realigned caches
@@ -144,12 +150,13 @@ class LLMEngine:
         cuda_graphs = (torch.device(self.config.device).type == "cuda"
                        and isinstance(self.runner.kv_layout, BlockStores))
         forwards = {}
-        for model in (m for m in (self.target, self.draft) if m is not None):
+        models = (self.target, *self.proposer.models)
+        for model in models:
             if (model, cuda_graphs) not in self.pair.decode_forwards:
                 self.pair.decode_forwards[model, cuda_graphs] = compiled.CompiledForward(model, cuda_graphs)
             forwards[model] = self.pair.decode_forwards[model, cuda_graphs]
         self.runner.decode_forwards = forwards
-        stats, self.runner.stats = self.runner.stats, Stats(model_devices(self.target, self.draft))
+        stats, self.runner.stats = self.runner.stats, Stats(model_devices(*models))
         try:
             self.warm_up = compiled.warm_up(
                 self.runner, self._sequence, self.config.num_speculative_tokens,

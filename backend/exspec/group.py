@@ -1,4 +1,5 @@
-"""Group: rows that are stepped together, with their batched caches for both models.
+"""Group: rows that are stepped together, with the target's batched cache and the proposer's
+state (proposer.py: its own cache, or nothing), which it carries without looking inside.
 
 A group is a value with a small algebra (TGI's batch): built by a prefill, rows dropped with
 `keep`, groups joined with `merge`, made rectangular again with `realign`. Every copy those
@@ -18,11 +19,11 @@ _ids = itertools.count()
 
 
 class Group:
-    def __init__(self, seqs: list[Sequence], target_kv, draft_kv):
+    def __init__(self, seqs: list[Sequence], target_kv, proposer_state):
         self.id = next(_ids)
         self.seqs = seqs
         self.target_kv = target_kv
-        self.draft_kv = draft_kv
+        self.proposer_state = proposer_state
         # the rows' sampling settings and logits processing state on the device: set by the
         # runner from the upload of the first prefill or step that needs them, None again when
         # the rows change
@@ -53,19 +54,19 @@ class Group:
         return sum(values) / len(values)
 
     def kv_tokens(self) -> int:
-        """KV entries held for real tokens, both models (what the pool budgets)."""
-        return sum(s.num_cached_target + (s.num_cached_draft if self.draft_kv else 0)
-                   for s in self.seqs)
+        """KV entries held for real tokens, every model's (what the pool budgets)."""
+        return sum(s.num_cached_target for s in self.seqs) + self.proposer_state.kv_tokens()
 
     def caches(self):
-        return [kv for kv in (self.target_kv, self.draft_kv) if kv is not None]
+        """Every KV cache of the group: the target's first, then the proposer's."""
+        return [self.target_kv] + self.proposer_state.caches()
 
     # The pool calls realign / keep / merge between steps: inference mode keeps every cache tensor
     # an inference tensor, as a step makes them (a compiled forward recompiles for the other kind).
     @torch.inference_mode()
     def realign(self) -> int:
-        """EQSPEC's unpad / append / repad of both caches; bytes copied (0 when nothing moves)."""
-        return sum(kv.compact() for kv in self.caches())
+        """EQSPEC's unpad / append / repad of every cache; bytes copied (0 when nothing moves)."""
+        return self.target_kv.compact() + self.proposer_state.compact()
 
     @torch.inference_mode()
     def keep(self, rows: list[int]) -> int:
@@ -74,20 +75,18 @@ class Group:
             return 0
         self.seqs = [self.seqs[i] for i in rows]
         self.sampling = self.processing = None
-        return sum(kv.select(rows) for kv in self.caches()) if rows else 0
+        return self.target_kv.select(rows) + self.proposer_state.select(rows) if rows else 0
 
     @classmethod
     @torch.inference_mode()
-    def merge(cls, groups: list["Group"], target_model, draft_model) -> tuple["Group", int]:
+    def merge(cls, groups: list["Group"], target_model) -> tuple["Group", int]:
         """One group from several (row order: as given); returns (group, bytes copied)."""
         if len(groups) == 1:
             return groups[0], 0
         layout = type(groups[0].target_kv)
         target_kv, moved = layout.concat([g.target_kv for g in groups], target_model)
-        draft_kv = None
-        if groups[0].draft_kv is not None:
-            draft_kv, n = layout.concat([g.draft_kv for g in groups], draft_model)
-            moved += n
-        merged = cls([s for g in groups for s in g.seqs], target_kv, draft_kv)
+        state, n = type(groups[0].proposer_state).concat([g.proposer_state for g in groups])
+        merged = cls([s for g in groups for s in g.seqs], target_kv, state)
+        moved += n
         merged.k = groups[0].k
         return merged, moved

@@ -42,7 +42,7 @@ class SequencePool:
         # this tick's chunks, not yet fed: the prompts under way due one and the budget they
         # share (None: unlimited); None when no chunk is due
         self.chunks_due: tuple[list[Group], int | None] | None = None
-        self.scheduler = Scheduler(config, has_draft=runner.draft is not None,
+        self.scheduler = Scheduler(config, runner.proposer,
                                    entries_for=runner.kv_layout.entries_for,
                                    allocation_for=runner.kv_layout.allocation_for, prefix=prefix)
 
@@ -200,7 +200,7 @@ class SequencePool:
 
     def _merge(self, groups: list[Group]) -> Group:
         with self.stats.timer("realign"):
-            merged, moved = Group.merge(groups, self.runner.target, self.runner.draft)
+            merged, moved = Group.merge(groups, self.runner.target)
         self.stats.add("realign_bytes", moved)
         self.groups = [g for g in self.groups if g not in groups] + [merged]
         return merged

@@ -15,7 +15,7 @@ length), so sharing needs no copy-on-write.
 PrefixCaching (one per pool). At admission `lookup` finds a waiting sequence's cached prefix in
 both stores (the common length, in whole blocks, never the block that holds the last prompt
 token: its logits are needed for the first token); `claim` takes those blocks and sets the
-sequence's num_cached_target / num_cached_draft; `attach` puts them into the new group's tables.
+sequence's num_cached_target; `attach` puts them into the new group's tables (each cache's length).
 `register` caches the full blocks of committed tokens a row has written (after each prefill and
 when the row leaves).
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # kv_blocks builds each store's BlockCache: no import back at run time
-    from .kv_blocks import BlockKV, KVStore
+    from .kv_blocks import KVStore
 
 
 class BlockCache:
@@ -122,7 +122,7 @@ class PrefixCaching:
     """The pool's prefix cache over its stores (module doc)."""
 
     def __init__(self, stores: list[KVStore]):
-        self.stores = stores   # the target's, then the draft's if there is one
+        self.stores = stores   # the target's, then the proposer's (as Group.caches orders them)
         self.claimed: dict[int, Hit] = {}   # id(sequence) -> its hit, until `attach`
         self.queries = 0       # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0          # of them, tokens found cached (vLLM's prefix_cache_hits)
@@ -146,7 +146,7 @@ class PrefixCaching:
             return
         for store, blocks in zip(self.stores, hit.blocks):
             store.prefix.hold(blocks)
-        seq.num_cached_target = seq.num_cached_draft = hit.tokens
+        seq.num_cached_target = hit.tokens
         self.claimed[id(seq)] = hit
 
     def attach(self, group) -> None:
@@ -154,7 +154,7 @@ class PrefixCaching:
         for row, seq in enumerate(group.seqs):
             hit = self.claimed.pop(id(seq), None)
             if hit is not None:
-                for kv, blocks in zip(self._caches(group), hit.blocks):
+                for kv, blocks in zip(group.caches(), hit.blocks):
                     table = kv.tables[row]
                     table.blocks.extend(blocks)
                     table.length = hit.tokens
@@ -171,7 +171,7 @@ class PrefixCaching:
 
     def register(self, group) -> None:
         """Cache the full blocks of committed tokens every row of the group has written."""
-        for kv in self._caches(group):
+        for kv in group.caches():
             for seq, table in zip(group.seqs, kv.tables):
                 full = table.length // kv.store.prefix.block_size   # entries below length are committed (I3)
                 if full > table.cached_blocks:
@@ -184,9 +184,6 @@ class PrefixCaching:
         as the least any store shares; see `lookup`)."""
         shared = min(store.prefix.shared_blocks() for store in self.stores)
         return shared * self.stores[0].prefix.block_size * len(self.stores)
-
-    def _caches(self, group) -> list[BlockKV]:
-        return [kv for kv in (group.target_kv, group.draft_kv) if kv is not None]
 
     def stats(self) -> dict:
         return {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits,

@@ -15,6 +15,7 @@ from .config import EngineConfig
 from .draft_stop import DraftStop
 from .group import Group
 from .prefix_cache import PrefixCaching
+from .proposer import Proposer
 from .sequence import Sequence
 
 if TYPE_CHECKING:
@@ -196,21 +197,22 @@ def _ema(table: dict, key, value: float, weight: float) -> None:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, has_draft: bool, entries_for=lambda n: n,
+    def __init__(self, config: EngineConfig, proposer: Proposer, entries_for=lambda n: n,
                  allocation_for=lambda reservations, models: sum(reservations),
                  prefix: PrefixCaching | None = None):
+        """`proposer`: what the scheduler reads of it is its capabilities (proposer.py)."""
         self.config = config
         self.prefix = prefix   # shared blocks count once (prefix_cache.py)
-        self.speculative = (has_draft or config.proposer == "ngram") and config.speculative
+        self.speculative = proposer.proposes and config.speculative
         self.exspec = config.method == "exspec"
         self.adaptive = AdaptiveK(config.num_speculative_tokens) if (
             self.speculative and config.adaptive_k) else None
         stop = config.draft_stop   # 0: off, "auto", or a fixed confidence
         self.draft_stop = DraftStop(None if stop == "auto" else stop) if (
-            self.adaptive is not None and stop and has_draft) else None   # n-gram: no draft to stop
+            self.adaptive is not None and stop and proposer.gives_confidences) else None
         self.entries_for = entries_for      # KV entries the layout allocates a row of n tokens
         self.allocation_for = allocation_for   # ... and a set of rows with these reservations
-        self.models = 2 if has_draft else 1   # the runner prefills the draft whenever it has one
+        self.models = 1 + len(proposer.kv_models)   # models whose caches every row fills
 
     # -- admission ----------------------------------------------------------------------------------
     def kv_peak(self, prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:

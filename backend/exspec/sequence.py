@@ -28,10 +28,9 @@ class Sequence:
         self.bad_words_ids = list(bad_words_ids)   # params.bad_words as token sequences
         self.detokenizer = detokenizer
         self.grammar = grammar   # params.structured_outputs compiled: advanced by every commit
-        # Entries each model's KV cache holds for this sequence (I3: all but the pending token;
-        # the draft may lag one more after a fully accepted step, caught up by its next draft).
+        # Entries the target's KV cache holds for this sequence (I3: all but the pending token).
+        # A proposer's cache keeps its own count (proposer.KVState).
         self.num_cached_target = 0
-        self.num_cached_draft = 0
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
         self.finish_reason: str | None = None

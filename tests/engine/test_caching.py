@@ -41,13 +41,13 @@ class FeedLog:
 def watch(engine) -> tuple[FeedLog, FeedLog]:
     """FeedLogs for both models, told each forward's real tokens by the runner itself."""
     logs = {id(engine.target): FeedLog(engine.target), id(engine.draft): FeedLog(engine.draft)}
-    forward = engine.runner._forward
+    forward = engine.runner.forward
 
     def forward_with_valid(model, kv, ids, pos, valid, counts, keep, **kwargs):
         logs[id(model)].valid = valid
         return forward(model, kv, ids, pos, valid, counts, keep, **kwargs)
 
-    engine.runner._forward = forward_with_valid
+    engine.runner.forward = forward_with_valid
     return logs[id(engine.target)], logs[id(engine.draft)]
 
 
@@ -121,14 +121,17 @@ def test_rejected_drafts_left_visible_break_equivalence(pairs, reference, monkey
     drafts of earlier steps still sit)."""
     from exspec import kv_blocks
     from exspec.kv import LayerMasks, PaddedKV
-    if method == "eqspec":
-        monkeypatch.setattr(PaddedKV, "drop_tail", lambda self, counts, counts_dev=None: None)
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=12, count=8)
+    engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=8)
+    if method == "eqspec":   # the target's tail stays (the draft's cache rolls back as before)
+        drop_tail = PaddedKV.drop_tail
+        monkeypatch.setattr(PaddedKV, "drop_tail", lambda self, counts, counts_dev=None: (
+            None if any(g.target_kv is self for g in engine.pool.groups)
+            else drop_tail(self, counts, counts_dev)))
     else:
         build = LayerMasks.build
         monkeypatch.setattr(LayerMasks, "build", lambda self, key_pos, key_valid, query_pos: build(
             self, key_pos, key_valid, query_pos + kv_blocks.BLOCK_SIZE))
-    prompts = make_prompts(320, pairs["llama", "eos"], seed=12, count=8)
-    engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=8)
     outs = engine.generate(prompts, SamplingParams(max_tokens=20))
     with pytest.raises(AssertionError, match="differs at output position"):
         assert_equivalent(outs, prompts, [20] * len(prompts), reference, pairs["llama", "target"], 256)

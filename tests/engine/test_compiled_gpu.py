@@ -79,7 +79,7 @@ def test_compiled_decode_steps_do_not_sync(qwen3_pair, method):
     eng.step()   # admits and prefills (eager, syncs allowed)
     runner, group = eng.runner, eng.pool.groups[0]
     calls = []
-    original = runner._forward
+    original = runner.forward
 
     def forward_under_sync_check(*args, **kwargs):
         torch.cuda.set_sync_debug_mode("error")
@@ -88,7 +88,7 @@ def test_compiled_decode_steps_do_not_sync(qwen3_pair, method):
             return original(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    runner._forward = forward_under_sync_check
+    runner.forward = forward_under_sync_check
     runner.step(group, 3)
     assert calls, "no forward ran"
 

@@ -89,7 +89,8 @@ def kv_bytes(engine) -> dict[str, int]:
     groups = pool.groups + pool.prefilling + ([pool.planned[0]] if pool.planned else [])
     out = {}
     for role, model in (("target", engine.target), ("draft", engine.draft)):
-        caches = [getattr(g, f"{role}_kv").cache for g in groups]
+        # Group.caches(): the target's, then the proposer's (the draft model's)
+        caches = [g.caches()[role == "draft"].cache for g in groups]
         if isinstance(layout, kv_blocks.BlockStores) and id(model) in layout.stores:
             caches.append(layout.stores[id(model)].cache)
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()

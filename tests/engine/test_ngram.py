@@ -75,7 +75,7 @@ def ngram_engine(pairs, target, **overrides):
 
 
 def test_proposer_proposes_what_followed_the_latest_longest_match():
-    propose = NgramProposer(min_n=2, max_n=3).propose
+    propose = NgramProposer(min_n=2, max_n=3).lookup
     assert propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]   # the latest of two 3-gram matches
     assert propose([4, 2, 3, 8, 1, 2, 3], 3) == [8, 1, 2]               # 3-grams miss, a 2-gram matches
     assert propose([1, 2, 3, 4, 5, 6], 4) == []                          # nothing repeats
@@ -147,7 +147,7 @@ def test_each_row_feeds_the_target_only_its_own_proposal(pairs, cyclic, method):
     target, successor = cyclic
     engine = ngram_engine(pairs, target, method=method, max_batch_size=4)
     fed, steps = [], []   # real tokens per target step forward; per step, each row's proposal
-    forward, propose, step = engine.runner._forward, engine.runner.proposer.propose, engine.runner.step
+    forward, propose, step = engine.runner.forward, engine.runner.proposer.lookup, engine.runner.step
 
     def counting_forward(model, kv, ids, pos, valid, counts, keep, decode=True):
         if decode:
@@ -162,8 +162,8 @@ def test_each_row_feeds_the_target_only_its_own_proposal(pairs, cyclic, method):
         steps.append([])
         return step(group, k, stop)
 
-    engine.runner._forward = counting_forward
-    engine.runner.proposer.propose, engine.runner.step = recording_propose, recording_step
+    engine.runner.forward = counting_forward
+    engine.runner.proposer.lookup, engine.runner.step = recording_propose, recording_step
     # two rows that follow the cycles (they propose) and two random ones (they seldom match)
     prompts = walk_prompts(successor, 2) + make_prompts(320, 0, seed=3, count=8)[-2:]
     engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))

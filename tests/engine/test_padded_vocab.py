@@ -48,7 +48,7 @@ def run(target, draft, tokenizer, method, prompts, params=None, unmasked=False):
                                     num_speculative_tokens=4, max_batch_size=4, adaptive_k=False),
                        pair=ModelPair(tokenizer, target, draft, set(), 256))
     if unmasked:   # negative control: the draft may propose any id the target has
-        engine.runner.vocab.real = engine.runner.vocab.target_rows
+        engine.runner.proposer.vocab.real = engine.runner.proposer.vocab.target_rows
     params = params or SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     return engine.generate(prompts, params), engine.stats()
 

@@ -11,6 +11,7 @@ import torch
 from exspec import EngineBusyError, SamplingParams
 from exspec import kv as kv_module
 from exspec import kv_blocks
+from exspec.draft_model import DraftModelProposer
 from exspec.draft_stop import DraftStop
 from exspec.runner import ModelRunner
 from exspec.scheduler import AdaptiveK, Scheduler
@@ -380,7 +381,7 @@ def test_scheduler_picks_starving_group_and_merges_equal_lengths():
 
     config = EngineConfig(target_model="t", draft_model="d", method="exspec", max_batch_size=4,
                           max_num_seqs=16, max_skipped_ticks=3)
-    sched = Scheduler(config, has_draft=True)
+    sched = Scheduler(config, DraftModelProposer(model=None))
     big, small_same, small_other, starving = (group([10, 10, 10]), group([10]), group([30]),
                                               group([50, 51], skipped=3))
     plan = sched.choose([big, small_same, small_other])

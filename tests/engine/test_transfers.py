@@ -138,21 +138,21 @@ def count_calls(engine, seen):
     """Count what the schedule exercised: the draft's catch-up forwards, steps that upload a
     group's sampling settings, merges and rows dropped from a group."""
     runner, pool = engine.runner, engine.pool
-    catch_up, upload, merge = runner._catch_up_draft, runner._upload_step_inputs, pool._merge
+    catch_up, upload, merge = runner.proposer.catch_up, runner._upload_step_inputs, pool._merge
 
     def catching_up(*args):
         seen["catch-ups"] += 1
         return catch_up(*args)
 
-    def uploading(group, k, *proposals):
+    def uploading(group, plan):
         seen["sampling uploads"] += group.sampling is None and not all(s.params.greedy for s in group.seqs)
-        return upload(group, k, *proposals)
+        return upload(group, plan)
 
     def merging(groups):
         seen["merges"] += 1
         return merge(groups)
 
-    runner._catch_up_draft, runner._upload_step_inputs, pool._merge = catching_up, uploading, merging
+    runner.proposer.catch_up, runner._upload_step_inputs, pool._merge = catching_up, uploading, merging
     retire = pool._without_finished
 
     def without_finished(groups):
@@ -205,14 +205,14 @@ def test_the_audit_sees_a_stray_host_read(pairs):
     """Negative control: a `bool(tensor)` slipped into the step is caught."""
     engine = make_engine(pairs, method="exspec", num_speculative_tokens=3)
     runner = engine.runner
-    real = runner._forward
+    real = runner.forward
 
     def forward_with_a_sync(*args, **kwargs):
         logits = real(*args, **kwargs)
         bool(logits.isfinite().all())
         return logits
 
-    runner._forward = forward_with_a_sync
+    runner.forward = forward_with_a_sync
     prompts = make_prompts(engine.target.config.vocab_size, None, seed=5, count=2, max_len=20)
     _, _, records, ticks = audited_run(engine, {0: [(f"r{i}", p) for i, p in enumerate(prompts)]}, {},
                                        SamplingParams(max_tokens=8, ignore_eos=True))
@@ -239,12 +239,12 @@ def test_the_audit_sees_host_data_moved_to_the_device(pairs, kind):
     nothing, yet the audit sees it reach the device's computation)."""
     engine = make_engine(pairs, method="exspec", num_speculative_tokens=3)
     runner = engine.runner
-    real = runner._forward
+    real = runner.forward
 
     def forward_with_an_upload(*args, **kwargs):
         return real(*args, **kwargs) + planted(kind, runner.device)
 
-    runner._forward = forward_with_an_upload
+    runner.forward = forward_with_an_upload
     prompts = make_prompts(engine.target.config.vocab_size, None, seed=5, count=2, max_len=20)
     _, _, records, ticks = audited_run(engine, {0: [(f"r{i}", p) for i, p in enumerate(prompts)]}, {},
                                        SamplingParams(max_tokens=8, ignore_eos=True))

@@ -6,6 +6,7 @@ import torch
 
 from exspec import EngineConfig, LLMEngine, SamplingParams
 from exspec import engine as engine_module
+from exspec.ngram import NgramProposer
 
 from enginekit import make_prompts
 
@@ -46,7 +47,7 @@ def test_speculative_config_ngram_proposes_without_a_draft_model(pairs):
     assert (config.method, config.proposer, config.draft_model) == ("exspec", "ngram", None)
     assert (config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == (3, 5, 1)
     engine = LLMEngine(config)
-    assert engine.draft is None and engine.runner.proposer is not None
+    assert engine.draft is None and isinstance(engine.runner.proposer, NgramProposer)
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -37,7 +37,7 @@ def hf_forward(model, context: int, batch: int):
 
 @torch.inference_mode()
 def engine_forward(method: str, role: str, context: int, batch: int, pair: dict):
-    """A closure doing the engine's forward (runner._forward on a real group's cache) of one
+    """A closure doing the engine's forward (runner.forward on a real group's cache) of one
     token per row at `context` cached tokens, rolled back after (a rejected draft, as it were)."""
     engine = LLMEngine(EngineConfig(**pair, method=method, num_speculative_tokens=1,
                                     max_batch_size=batch, max_num_seqs=batch, adaptive_k=False))
@@ -46,8 +46,8 @@ def engine_forward(method: str, role: str, context: int, batch: int, pair: dict)
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1000, ignore_eos=True))
     engine.step()   # prefill (every row identical, so the group stays uniform)
     runner, group = engine.runner, engine.pool.groups[0]
-    model = runner.target if role == "target" else runner.draft
-    kv = group.target_kv if role == "target" else group.draft_kv
+    model = runner.target if role == "target" else runner.proposer.model
+    kv = group.target_kv if role == "target" else group.proposer_state.kv
     n = kv.lengths[0]
     ids = torch.full((batch, 1), 7)
     pos = torch.full((batch, 1), n)
@@ -55,7 +55,7 @@ def engine_forward(method: str, role: str, context: int, batch: int, pair: dict)
 
     def run():
         with torch.inference_mode():
-            runner._forward(model, kv, ids, pos, valid, [1] * batch, keep=1)
+            runner.forward(model, kv, ids, pos, valid, [1] * batch, keep=1)
             kv.drop_tail([1] * batch)
     return run
 

@@ -26,10 +26,9 @@ def forward_costs(engine, batch_sizes: list[int], k: int, repeats: int = 20) -> 
                                  SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(batch)]
         group = runner.new_group(seqs)
         runner.prefill(group, [CONTEXT] * batch)
-        for name, model, kv, width in (("draft", runner.draft, group.draft_kv, 1),
-                                       ("target", runner.target, group.target_kv, k + 1)):
-            if model is None:
-                continue
+        drafts = [("draft", m, kv, 1) for m, kv in zip(runner.proposer.kv_models,
+                                                      group.proposer_state.caches())]
+        for name, model, kv, width in drafts + [("target", runner.target, group.target_kv, k + 1)]:
             ids = torch.ones((batch, width), dtype=torch.long, device=runner.device)
             pos = (CONTEXT + torch.arange(width, device=runner.device)).expand(batch, width)
             valid = torch.ones_like(ids, dtype=torch.bool)
@@ -39,7 +38,7 @@ def forward_costs(engine, batch_sizes: list[int], k: int, repeats: int = 20) -> 
                     runner.decode_forwards = compiled if path == "compiled" else {}
                     sync(str(runner.device))
                     start = time.perf_counter()
-                    runner._forward(model, kv, ids, pos, valid, [width] * batch, keep=width)
+                    runner.forward(model, kv, ids, pos, valid, [width] * batch, keep=width)
                     sync(str(runner.device))
                     if r:
                         seconds[path].append(time.perf_counter() - start)

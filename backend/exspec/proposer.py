@@ -1,0 +1,179 @@
+"""Proposer: where a speculative step's drafts come from (design: "Proposers").
+
+The runner holds one proposer, chosen once at load (engine.py), and never asks which it holds.
+A step reads: plan -> one upload -> propose -> verify -> accept -> commit, and the proposer
+takes part at each point:
+- `plan` (before the upload, on the host): the step's width and each row's cap. A host proposer
+  (n-gram) knows its proposals here, so they shape the upload: a ragged verification input, every
+  verified position's grammar mask, the grammar's valid prefix. A device proposer (a draft
+  model) knows only k; it drafts after the upload.
+- `stage` puts what it needs into the step's one upload (it never copies on its own) and names
+  the room its caches need; `propose` reads its sections of what arrived and returns a
+  `Proposal`: drafted tokens (and their distributions q), or a verification input of its own.
+- `commit` rolls its state back to what each row kept.
+Its per-group state (`new_state`: a KV cache, or nothing) rides in the Group opaquely: the group
+keeps, merges and realigns it with its own rows. Its capabilities (`gives_q`,
+`gives_confidences`, `models`, `kv_models`) are what the scheduler and the warm-up read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from .sampler import RowSampling
+    from .stats import Stats
+    from .structured_output import RowGrammar, StepMasks
+    from .transfer import Upload
+
+
+class Row(Protocol):
+    """What a proposer reads of a row (the engine's Sequence is one): its tokens and its cap."""
+    tokens: list[int]             # prompt + committed output; the last is pending
+    grammar: RowGrammar | None    # its structured output's matcher, if constrained
+
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def pending_token(self) -> int: ...
+    def drafts_at(self, k: int) -> int: ...
+
+
+@dataclass
+class Plan:
+    """A step's drafts as planned on the host, before its upload."""
+    width: int                              # drafts per row the step may verify (0: a plain step)
+    caps: list[int]                         # per row, the drafts it may keep
+    tokens: list[list[int]] | None = None   # the proposals, when known on the host (rows differ)
+
+
+@dataclass
+class StepState:
+    """What the step hands a device proposer: the rows' sampling on the device and the step's
+    randomness, shared with the verification so that a draft is the target's token exactly when
+    it would be accepted."""
+    rows: RowSampling
+    coupled: bool                     # tokens are argmaxes (greedy or gumbel): no q needed
+    uniforms: torch.Tensor | None     # [B, 2k + 1] rejection sampling's (drafts use [:, :k])
+    noise: torch.Tensor | None        # [B, k + 1, V] gumbel noise of positions m .. m + k
+    next_pos: torch.Tensor            # [B] the first draft's position
+    masks: StepMasks | None           # the grammars' allowed tokens, being filled
+    processing: object | None         # the rows' logits processing (logits_processing.RowProcessing)
+    stop: list[float] | None          # draft stop thresholds per depth (draft_stop.py)
+
+
+@dataclass
+class Proposal:
+    """A step's drafts as the verification takes them: `tokens` [B, width] drafted on the
+    device (q [B, width, V] with them when sampled), or, for proposals known on the host, the
+    ragged verification input (`verify_input`: ids, positions, validity, counts) holding each
+    row's [pending, proposal]."""
+    width: int
+    tokens: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    verify_input: tuple | None = None
+    masks: StepMasks | None = None
+    confidence_bins: torch.Tensor | None = None   # [B, width] (with draft stop)
+
+
+class Runner(Protocol):
+    """What the runner lends a proposer: its forwards, its picks, its upload helpers."""
+    stats: Stats
+    transfers: object
+    device: torch.device
+
+    def forward(self, model, kv, ids, pos, valid, counts: list[int], keep: int,
+                decode: bool = True) -> torch.Tensor: ...
+    def pick(self, logits, rows, noise=None, u=None): ...
+    def stage_ragged(self, upload: Upload, tails: list[list[int]], starts: list[int]) -> int: ...
+    def read_ragged(self, section: torch.Tensor, tails: list[list[int]]) -> tuple: ...
+
+
+class NoState:
+    """The per-group state of a proposer that keeps none (n-gram, none at all)."""
+
+    def caches(self) -> list:
+        return []
+
+    def kv_tokens(self) -> int:
+        return 0
+
+    def select(self, rows: list[int]) -> int:
+        return 0
+
+    def compact(self) -> int:
+        return 0
+
+    @classmethod
+    def concat(cls, parts: list["NoState"]) -> tuple["NoState", int]:
+        return parts[0], 0
+
+
+class KVState:
+    """A proposer's per-group KV cache in one model's layout (a draft model's): rows held as the
+    target's are, its length per row being what that model has cached of the row."""
+
+    def __init__(self, kv, model):
+        self.kv = kv
+        self.model = model
+
+    def cached(self, row: int) -> int:
+        return self.kv.lengths[row]
+
+    def caches(self) -> list:
+        return [self.kv]
+
+    def kv_tokens(self) -> int:
+        return sum(self.kv.lengths)
+
+    def select(self, rows: list[int]) -> int:
+        return self.kv.select(rows)
+
+    def compact(self) -> int:
+        return self.kv.compact()
+
+    @classmethod
+    def concat(cls, parts: list["KVState"]) -> tuple["KVState", int]:
+        kv, moved = type(parts[0].kv).concat([p.kv for p in parts], parts[0].model)
+        return cls(kv, parts[0].model), moved
+
+
+class Proposer:
+    """The interface (module doc); this base is also the proposer of plain decoding: it proposes
+    nothing, keeps nothing and runs no model."""
+
+    name = "none"
+    proposes = False           # whether any step can verify drafts
+    gives_q = False            # drafts come with their distribution q (else point masses)
+    gives_confidences = False  # its drafts' confidences can end a round early (draft_stop.py)
+    cost_on_host = False       # its time is host work before the upload (adaptive k: per step)
+    models: tuple = ()         # models it runs: compiled and warmed up with the target
+    kv_models: tuple = ()      # models it keeps a KV cache of per group, in the layout's stores
+    vocab = None               # how its ids and logits map to the target's (vocab.PaddedVocab)
+
+    def new_state(self, layout, batch: int, device):
+        """Its state for a new group of `batch` rows, all empty."""
+        return NoState()
+
+    def prefill(self, runner: Runner, state, ragged: tuple) -> None:
+        """Feed prompt tokens (`ragged`: ids, positions, validity, counts, as the target got them)."""
+
+    def plan(self, runner: Runner, seqs: list[Row], k: int) -> Plan:
+        """The step's width and caps; a host proposer proposes here."""
+        width = k if self.proposes else 0
+        return Plan(width, [s.drafts_at(width) for s in seqs])
+
+    def stage(self, runner: Runner, state, seqs: list[Row], plan: Plan,
+              upload: Upload) -> tuple[object, dict]:
+        """Its inputs as sections of the step's upload; returns (what `propose` reads back, the
+        room its caches need: {kv: entries per row})."""
+        return None, {}
+
+    def propose(self, runner: Runner, state, seqs: list[Row], plan: Plan, staged,
+                sent: list[torch.Tensor], step: StepState) -> Proposal:
+        return Proposal(plan.width, masks=step.masks)
+
+    def commit(self, state, width: int, accepted: list[int], kept: torch.Tensor) -> None:
+        """Each row kept accepted[i] of `width` drafts (`kept`: the same on the device)."""
