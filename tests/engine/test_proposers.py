@@ -1,0 +1,200 @@
+"""The proposer conformance suite: every proposer (proposer.py) runs the same equivalence battery.
+A new proposer joins by adding one line to PROPOSERS: the target it is tested against, its
+config, and prompts on which it both proposes and misses.
+
+Each case holds the one promise: greedy output == target-only greedy (Hugging Face generate at
+batch 1), seeded == target-only seeded, in EQSPEC and EXSPEC; at batch 1, 4 and 8; with requests
+arriving and aborted mid-flight; under penalties and logits processors, structured outputs, n > 1
+and prefix-cache hits (those against the engine's own target-only path, `autoregressive`, whose
+equality with the independent references the other cases and test_equivalence.py hold). Every
+case also checks that the proposer's drafts were verified and some kept, so that equality
+proves something.
+"""
+from __future__ import annotations
+
+import pytest
+
+from exspec import SamplingParams
+
+from enginekit import (assert_equivalent, assert_seeded_equivalent, first_difference, make_engine,
+                       make_prompts, run_schedule)
+from test_ngram import cyclic_target, walk_prompts
+from exspec.demo.tiny import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def cyclic(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cyclic") / "target"
+    return str(path), cyclic_target(path, len(build_tokenizer()))
+
+
+def draft_model(pairs, cyclic):
+    """A draft model (a noisy copy of the target) on random prompts."""
+    target = pairs["llama", "target"]
+    return target, dict(draft_model=pairs["llama", "noisy"]), make_prompts(320, pairs["llama", "eos"], seed=7)
+
+
+def ngram(pairs, cyclic):
+    """Prompt lookup on a target whose outputs repeat (cycles), prompts that match and miss."""
+    target, successor = cyclic
+    prompts = walk_prompts(successor, 12, seed=3) + make_prompts(320, 0, seed=3, count=4)
+    return target, dict(draft_model=None, proposer="ngram", prompt_lookup_max=3,
+                        prompt_lookup_min=2), prompts
+
+
+PROPOSERS = {"draft_model": draft_model, "ngram": ngram}
+METHODS = ["eqspec", "exspec"]
+
+
+@pytest.fixture(params=list(PROPOSERS))
+def proposer(request, pairs, cyclic):
+    """(name, target path, config, prompts) of one proposer."""
+    return (request.param, *PROPOSERS[request.param](pairs, cyclic))
+
+
+def engine_for(pairs, proposer, method, **overrides):
+    _, target, config, _ = proposer
+    return make_engine(pairs, target_model=target, method=method, num_speculative_tokens=4,
+                       **{**config, **overrides})
+
+
+def target_only(pairs, proposer, method):
+    """The engine's own target-only path on the method's layout (the reference where the
+    independent references do not reach: penalties, grammars, n > 1)."""
+    _, target, _, _ = proposer
+    return make_engine(pairs, target_model=target, draft_model=None, method=method,
+                       num_speculative_tokens=0)
+
+
+def assert_speculated(engine, label):
+    stats = engine.stats()
+    assert 0 < stats["accepted_tokens"] < stats["draft_tokens"], \
+        f"{label}: drafts must be both kept and rejected ({stats['accepted_tokens']} of {stats['draft_tokens']})"
+
+
+def seeded(count: int, first_seed: int = 40, max_tokens: int = 20) -> list[SamplingParams]:
+    temps = [0.7, 1.0, 0.8, 1.2, 0.9]
+    return [SamplingParams(max_tokens=max_tokens, seed=first_seed + i, temperature=temps[i % 5],
+                           top_p=0.95 if i % 3 == 1 else 1.0, top_k=20 if i % 3 == 2 else 0)
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_greedy_equals_target_only_greedy(pairs, reference, proposer, method, batch):
+    name, target, _, prompts = proposer
+    engine = engine_for(pairs, proposer, method, max_batch_size=batch, max_num_seqs=max(batch, 8))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=20))
+    label = f"{name} {method} B={batch}"
+    assert_equivalent(outs, prompts, [20] * len(prompts), reference, target, 256, label)
+    assert_speculated(engine, label)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_equals_target_only_seeded(pairs, seeded_reference, proposer, method):
+    name, target, _, prompts = proposer
+    engine = engine_for(pairs, proposer, method, max_batch_size=4)
+    params = seeded(len(prompts))
+    outs = engine.generate(prompts, params)
+    rows = [(f"row {i}", p, sp, o.token_ids, True) for i, (o, p, sp) in enumerate(zip(outs, prompts, params))]
+    assert_seeded_equivalent(rows, seeded_reference, target, label=f"{name} {method}")
+    assert engine.stats()["accepted_tokens"] > 0, f"{name} {method}: no seeded draft was kept"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_arrivals_and_aborts_keep_every_row_exact(pairs, reference, seeded_reference, proposer, method):
+    """Requests join running groups tick by tick and two are aborted mid-flight; greedy rows and
+    seeded rows each equal their target-only output (an aborted one: a prefix of it)."""
+    name, target, _, prompts = proposer
+    engine = engine_for(pairs, proposer, method, max_batch_size=4, adaptive_k=True)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    arrivals = {3 * i: [(rid, p)] for i, (rid, p) in enumerate(zip(ids, prompts))}
+    aborts = {7: [ids[1]], 16: [ids[4]]}
+    sampled = dict(zip(ids[::2], seeded(len(ids[::2]), max_tokens=24)))
+    params = {rid: sampled.get(rid, SamplingParams(max_tokens=24)) for rid in ids}
+    outputs, finished, _ = run_schedule(engine, arrivals, aborts, params)
+    rows = []
+    for rid, prompt in zip(ids, prompts):
+        complete = finished[rid].finish_reason != "abort"
+        assert finished[rid].error is None, f"{name} {method} {rid}: {finished[rid].error}"
+        tokens = [t for out in outputs[rid] for t in out.new_token_ids]
+        if rid in sampled:
+            rows.append((rid, prompt, params[rid], tokens, complete))
+        else:
+            expected = reference(target, prompt, 24)
+            assert tokens == (expected if complete else expected[:len(tokens)]), \
+                f"{name} {method} {rid} (greedy) differs from target-only"
+    assert_seeded_equivalent(rows, seeded_reference, target, label=f"{name} {method}")
+    assert finished[ids[1]].finish_reason == "abort"
+    assert engine.stats()["accepted_tokens"] > 0
+
+
+def against_target_only(pairs, proposer, method, params, prompts=None, **overrides):
+    """Outputs of the proposer's engine and the target-only engine for the same requests."""
+    prompts = prompts or proposer[3][:6]
+    engine = engine_for(pairs, proposer, method, **overrides)
+    got = engine.generate(prompts, params)
+    expected = target_only(pairs, proposer, method).generate(prompts, params)
+    return engine, got, expected
+
+
+def assert_same_outputs(got, expected, label):
+    assert len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g.error is None, f"{label} output {i}: {g.error}"
+        at = first_difference(g.token_ids, e.token_ids)
+        assert at is None, (f"{label} output {i} (sample {g.index}) differs from target-only at "
+                            f"{at}: got {g.token_ids[at:at + 5]}, expected {e.token_ids[at:at + 5]}")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_penalties_and_logits_processors_equal_target_only(pairs, proposer, method):
+    name = proposer[0]
+    params = [SamplingParams(max_tokens=20, repetition_penalty=1.3),
+              SamplingParams(max_tokens=20, frequency_penalty=0.6, presence_penalty=0.4),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=3, min_p=0.1),
+              SamplingParams(max_tokens=20, logit_bias={5: 3.0, 9: -2.0}),
+              SamplingParams(max_tokens=20, min_tokens=10, temperature=0.9, seed=4, presence_penalty=0.5),
+              SamplingParams(max_tokens=20)]
+    engine, got, expected = against_target_only(pairs, proposer, method, params)
+    assert_same_outputs(got, expected, f"{name} {method} penalties")
+    assert engine.stats()["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_structured_outputs_equal_target_only(pairs, proposer, method):
+    name = proposer[0]
+    constraints = [{"regex": r"[a-z]{2,6}@(foo|bar)\.(com|org)"}, {"choice": ["alpha", "beta gamma"]},
+                   None, {"regex": r"(ab|cd){3,8}"}]
+    params = [SamplingParams(max_tokens=20, structured_outputs=c, temperature=t, seed=9 + i)
+              for i, (c, t) in enumerate(zip(constraints, [0.0, 0.8, 0.0, 0.9]))]
+    engine, got, expected = against_target_only(pairs, proposer, method, params, proposer[3][:4])
+    assert_same_outputs(got, expected, f"{name} {method} structured")
+    assert engine.stats()["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_n_samples_equal_target_only(pairs, proposer, method):
+    name = proposer[0]
+    params = [SamplingParams(max_tokens=20, n=3, temperature=0.8, seed=21),
+              SamplingParams(max_tokens=20, n=2)]
+    engine, got, expected = against_target_only(pairs, proposer, method, params, proposer[3][:2])
+    assert [g.index for g in got] == [0, 1, 2, 0, 1]
+    assert_same_outputs(got, expected, f"{name} {method} n > 1")
+    assert engine.stats()["accepted_tokens"] > 0
+
+
+def test_prefix_cache_hits_keep_output_exact(pairs, reference, proposer):
+    """EXSPEC's block store: a second wave of prompts sharing the first wave's 40-token prefix
+    starts from cached blocks in every store (the target's and the proposer's) and stays exact."""
+    name, target, _, prompts = proposer
+    engine = engine_for(pairs, proposer, "exspec", max_batch_size=4)
+    shared = [t for p in prompts for t in p][:40]
+    first = [shared + p[:6] for p in prompts[:3]]
+    second = [shared + p[-5:] for p in prompts[3:7]]
+    for wave in (first, second):
+        outs = engine.generate(wave, SamplingParams(max_tokens=16))
+        assert_equivalent(outs, wave, [16] * len(wave), reference, target, 256, f"{name} prefix")
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] >= 32 * len(second), stats
+    assert stats["accepted_tokens"] > 0
