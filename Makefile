@@ -20,7 +20,7 @@ venv: $(STAMP)
 # safetensors, and the draft trained for it) in ~/.cache/exspec/smollm2-135m-instruct, or
 # $$EXSPEC_SMOLLM2_DIR; a no-op once there (the checksum is still checked).
 real-pair: venv
-	$(BIN)/python -m exspec.real_pair
+	$(BIN)/python -m exspec.models.real_pair
 
 # Each part prints its wall time, so CI shows where the minutes go. Two xdist workers: the
 # engine tests run on one torch thread each, so the two cores both work (groups: tests/conftest.py).

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from exspec import InvalidRequestError, SamplingParams
-from exspec.structured_output import StructuredOutput
+from exspec.sampling.structured_output import StructuredOutput
 
 # Boolean request inputs (all TYPE_BOOL [1], optional), in the vLLM backend's names.
 FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason",
@@ -35,7 +35,7 @@ SAMPLING_KEYS = {
     "repetition_penalty": _FLOAT, "frequency_penalty": _FLOAT, "presence_penalty": _FLOAT,
     "min_p": _FLOAT, "min_tokens": _INT, "logit_bias": _BIAS, "allowed_token_ids": _INTS,
     "bad_words": _STRS, "n": _INT, "best_of": _INT,
-    # vLLM's structured outputs (exspec/structured_output.py); `guided_decoding` is the older
+    # vLLM's structured outputs (exspec/sampling/structured_output.py); `guided_decoding` is the older
     # spelling (vllm_backend maps it onto structured_outputs, which wins when both are given),
     # and guided_json / guided_regex / guided_choice / guided_grammar vLLM's OpenAI server's
     "structured_outputs": _STRUCT, "guided_decoding": _STRUCT, "guided_json": _STRUCT,

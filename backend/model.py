@@ -21,7 +21,7 @@ import queue
 
 import triton_python_backend_utils as pb_utils
 
-from exspec.engine import LLMEngine
+from exspec.engine.llm_engine import LLMEngine
 from exspec_config import drain_settings, engine_config, parameter
 from exspec_engine_thread import EngineThread
 from exspec_intake import INPUTS, Intake

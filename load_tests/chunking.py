@@ -14,7 +14,7 @@ a copy of --model-repository with that model.json (prefix caching off: the long 
 repeats), then locust, headless: --short-users gRPC
 users of load_tests/locustfile.py (demo prompts, --max-tokens, greedy) and --long-users users
 that send a --long-tokens prompt every --long-every seconds (8 output tokens). --pair smollm2
-serves the real pair (SmolLM2-135M-Instruct and its draft; set up once by exspec.real_pair)
+serves the real pair (SmolLM2-135M-Instruct and its draft; set up once by exspec.models.real_pair)
 instead of --model-repository, where a 1,000-token prompt takes seconds to prefill. Prints one row per
 run and per arm the medians over repeats of: short ITL p50/p95/p99, short TTFT p50/p95, long TTFT
 p50, requests and failures; writes them to <out>_chunking.json. Locust's percentiles are its
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     if args.pair == "smollm2":   # model.json names the cached pair by absolute paths
         sys.path.insert(0, str(REPO / "backend"))
         from exspec.demo.server import _repository
-        from exspec.real_pair import ensure_pair
+        from exspec.models.real_pair import ensure_pair
         work = Path(tempfile.mkdtemp(prefix="exspec-chunking-pair-"))   # copied per run; small
         args.model_repository = str(_repository(work, ensure_pair(), k=4))
         import atexit

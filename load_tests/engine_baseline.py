@@ -27,7 +27,7 @@ from exspec_client.prompts import load_prompts  # noqa: E402
 
 def engine_from_repository(repository: Path, model: str):
     from exspec import EngineConfig
-    from exspec.engine import LLMEngine
+    from exspec.engine.llm_engine import LLMEngine
     folder = repository / model / "1"
     values = json.loads((folder / "model.json").read_text())
     for key in ("target_model", "draft_model", "tokenizer"):

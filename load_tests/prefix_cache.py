@@ -4,7 +4,7 @@
         [--conversations 6] [--turns 4] [--max-tokens 32] [--torch-threads 1]
         [--out runs/prefix_cache/run]
 
-The real pair (SmolLM2-135M-Instruct and its trained draft, exspec.real_pair) is served by a
+The real pair (SmolLM2-135M-Instruct and its trained draft, exspec.models.real_pair) is served by a
 fresh tritonserver per arm (enable_prefix_caching true / false), workload and repeat, the arms
 interleaved (on off, then off on). This process is the outside client: --users threads, each
 with its own gRPC stream, send greedy streamed requests, --max-tokens each. Two workloads, each
@@ -117,7 +117,7 @@ def run_users(url: str, users: int, jobs: list, work) -> list[dict]:
 
 
 def system_workload(args, tokenizer):
-    from exspec.real_pair import QUESTIONS
+    from exspec.models.real_pair import QUESTIONS
     prompts = [tokenizer.apply_chat_template(
         [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)][1]} (question {i})"}],
         add_generation_prompt=True, tokenize=False) for i in range(args.requests)]
@@ -125,7 +125,7 @@ def system_workload(args, tokenizer):
 
 
 def chat_workload(args, tokenizer):
-    from exspec.real_pair import QUESTIONS
+    from exspec.models.real_pair import QUESTIONS
 
     def conversation(client, events, index):
         messages, out = [], []
@@ -203,7 +203,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from exspec.real_pair import ensure_pair
+    from exspec.models.real_pair import ensure_pair
     pair = ensure_pair()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     rows = []

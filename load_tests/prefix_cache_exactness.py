@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from exspec import EngineConfig, LLMEngine, SamplingParams
-from exspec.models import ModelPair, load_pair
+from exspec.models.loading import ModelPair, load_pair
 
 FOLLOW_UP = "<|im_start|>user\nTell me more.<|im_end|>\n<|im_start|>assistant\n"
 

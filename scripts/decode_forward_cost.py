@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from exspec import compiled
+from exspec.models import compiled
 from exspec.demo.tiny import llama
-from exspec.kv_blocks import BlockStores
+from exspec.kv.blocks import BlockStores
 
 
 def main() -> None:

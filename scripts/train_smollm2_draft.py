@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train the real pair's draft: a narrow Llama that shares SmolLM2-135M-Instruct's tokenizer,
 distilled from the target's own chat answers. Reproducible from the seed, no network (the
-target comes from `python -m exspec.real_pair`).
+target comes from `python -m exspec.models.real_pair`).
 
 Steps (each one's output is kept in --work and reused by a later run with the same settings):
  1. questions  the target writes user turns itself: its chat template's user header plus an
@@ -19,7 +19,7 @@ Steps (each one's output is kept in --work and reused by a later run with the sa
 
 Output (default model_repository/exspec/1/smollm2_draft/): model.safetensors (float16; the
 config says float32, so it loads and runs in float32), config.json, generation_config.json,
-metrics.json, model_card.md, loss_curve.png. `python -m exspec.real_pair` installs it next to
+metrics.json, model_card.md, loss_curve.png. `python -m exspec.models.real_pair` installs it next to
 the converted target.
 
     python scripts/train_smollm2_draft.py                 # full run, ~1 h 45 min on 2 cores
@@ -45,7 +45,7 @@ from train_demo_pair import (dir_size, lr_at, machine_info, make_opt,  # noqa: E
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "backend"))
-from exspec.real_pair import DRAFT_DIR, IM_END, PAIR_DIR, QUESTIONS, chat_prompt  # noqa: E402
+from exspec.models.real_pair import DRAFT_DIR, IM_END, PAIR_DIR, QUESTIONS, chat_prompt  # noqa: E402
 
 TOP_K = 32
 OPENERS = ["Write", "How", "What", "Explain", "Can you", "Give me", "Why", "List", "Describe",

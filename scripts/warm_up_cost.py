@@ -27,7 +27,8 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="inductor-")
 
     import torch
-    from exspec import EngineConfig, LLMEngine, compiled
+    from exspec import EngineConfig, LLMEngine
+    from exspec.models import compiled
     from exspec.bench.cli import DEMO_DIR, build_deep_narrow_pair
     from exspec.bench.paths import forward_costs
 

@@ -202,7 +202,7 @@ def test_both_decode_paths_in_one_run(bench_inputs, monkeypatch):
     "eager" compile backend keeps C++ out of the test (Dynamo's graphs are the same)."""
     import torch
 
-    from exspec import compiled
+    from exspec.models import compiled
     monkeypatch.setattr(compiled, "COMPILE_BACKEND", compiled.COMPILE_BACKEND)   # restored after
     torch._dynamo.reset()
     root, args = bench_inputs

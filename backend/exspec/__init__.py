@@ -3,7 +3,7 @@
 The engine is plain PyTorch + transformers and never imports Triton; backend/model.py adapts it.
 """
 from .config import EngineConfig
-from .engine import LLMEngine
+from .engine.llm_engine import LLMEngine
 from .errors import EngineBusyError, InvalidRequestError, ModelLoadError
 from .outputs import CompletionOutput, RequestOutput, TokenLogprob
 from .params import SamplingParams

@@ -7,8 +7,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from .faults import Faults
-from .sampler import COUPLINGS
+from .sampling.sampler import COUPLINGS
+from .utils.faults import Faults
 from .vllm_args import translate
 
 log = logging.getLogger("exspec")
@@ -82,7 +82,7 @@ class EngineConfig:
     enforce_eager: bool = True            # vLLM's meaning: no compiled decode path (compiled.py);
                                           # False compiles the step's forwards before READY
     enable_prefix_caching: bool = True    # vLLM's name: share full KV blocks of common prefixes
-                                          # (prefix_cache.py); where the layout can (the block
+                                          # (engine/prefix_caching.py); where the layout can (the block
                                           # store), else off with a line in the load log
     fault_injection: dict | None = None   # tests only: see faults.py; off unless set here
 

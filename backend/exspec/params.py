@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import InvalidRequestError
-from .structured_output import StructuredOutput
+from .sampling.structured_output import StructuredOutput
 
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64
 MAX_LOGPROBS = 20   # vLLM's default max_logprobs

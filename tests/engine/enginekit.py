@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from exspec import EngineConfig, LLMEngine, SamplingParams
 from exspec.demo.tiny import build_tokenizer, gpt2, llama, noisy_copy
-from exspec.noise import gumbel
-from exspec.sampler import RowSampling, perturbed_scores
+from exspec.sampling.noise import gumbel
+from exspec.sampling.sampler import RowSampling, perturbed_scores
 
 GPT2_MAX_POS = 128
 TIE_GAP = 1e-4   # a perturbed-score gap below this is a float tie: either token is exact

@@ -19,7 +19,7 @@ import torch
 
 from exspec import EngineConfig, LLMEngine, ModelLoadError, SamplingParams
 from exspec.demo.tiny import build_tokenizer
-from exspec.models import ModelPair
+from exspec.models.loading import ModelPair
 
 from tiny_archs import MODEL_TYPES, build, greedy_reference
 
@@ -173,8 +173,8 @@ def test_alibi_from_a_2d_mask_runs_exspec_on_the_right_aligned_layout(model_type
     take no 4D mask (exspec's own layout crashed them at the first request): exspec runs them
     on EQSPEC's right-aligned layout, realigning each stepped group, exactly; other models keep
     the block store."""
-    from exspec.kv import PaddedKV
-    from exspec.kv_blocks import BlockStores
+    from exspec.kv.padded import PaddedKV
+    from exspec.kv.blocks import BlockStores
     target, draft = build(model_type, **config)
     loaded = ModelPair(tokenizer(), target, draft, set(), 256)
     served = LLMEngine(EngineConfig(target_model="a", draft_model="a", method="exspec",

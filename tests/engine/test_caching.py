@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from exspec import SamplingParams
-from exspec.runner import ModelRunner
+from exspec.engine.runner import ModelRunner
 
 from enginekit import GPT2_MAX_POS, assert_equivalent, make_engine, make_prompts
 
@@ -119,8 +119,8 @@ def test_rejected_drafts_left_visible_break_equivalence(pairs, reference, monkey
     EQSPEC: the tail is not cut. EXSPEC's store rolls back by length and hides every slot past
     the query's own position; here the mask shows the next block's slots too (where rejected
     drafts of earlier steps still sit)."""
-    from exspec import kv_blocks
-    from exspec.kv import LayerMasks, PaddedKV
+    from exspec.kv import blocks as kv_blocks
+    from exspec.kv.padded import LayerMasks, PaddedKV
     prompts = make_prompts(320, pairs["llama", "eos"], seed=12, count=8)
     engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=8)
     if method == "eqspec":   # the target's tail stays (the draft's cache rolls back as before)

@@ -4,7 +4,7 @@ the output."""
 import pytest
 
 from exspec import SamplingParams
-from exspec.runner import ModelRunner
+from exspec.engine.runner import ModelRunner
 
 from enginekit import make_engine, make_prompts
 
@@ -100,7 +100,7 @@ def test_chunk_positions_matter_negative_control(pairs, reference, monkeypatch):
 def test_chunk_masks_grow_with_the_chunk_not_the_prompt(pairs, reference, monkeypatch):
     """The 4D mask of every prefill forward is at most chunk x context: never prompt^2 (a row
     read in place gets no mask from us: HF's own causal mask is then chunk x its entries)."""
-    from exspec import kv_blocks
+    from exspec.kv import blocks as kv_blocks
     shapes = []
     original = kv_blocks.BlockKV.attention_mask
 

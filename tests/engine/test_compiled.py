@@ -11,10 +11,11 @@ import random
 import pytest
 import torch
 
-from exspec import EngineConfig, LLMEngine, SamplingParams, compiled
+from exspec import EngineConfig, LLMEngine, SamplingParams
+from exspec.models import compiled
 from exspec.demo.tiny import build_tokenizer
-from exspec.models import ModelPair
-from exspec.scheduler import AdaptiveK
+from exspec.models.loading import ModelPair
+from exspec.engine.adaptive_k import AdaptiveK
 
 from enginekit import _load, make_engine, make_prompts, run_schedule
 from tiny_archs import build, greedy_reference

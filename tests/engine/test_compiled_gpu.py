@@ -110,7 +110,7 @@ def test_cuda_graph_capture_and_replay_do_not_sync(qwen3_pair, monkeypatch):
     every compiled forward run under "error". The step's own device-to-host copy (accepted
     counts and tokens) is outside the compiled forwards, under "warn"-free default mode."""
     from torch._inductor import cudagraph_trees
-    from exspec import compiled
+    from exspec.models import compiled
 
     eng = engine(qwen3_pair, "exspec")
     cudagraph_trees.reset_cudagraph_trees()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._dynamo.utils
 
-from exspec import compiled
+from exspec.models import compiled
 
 from enginekit import make_engine, run_schedule
 from test_compiled import NEW_SHAPE, assert_no_ties, ragged_schedule

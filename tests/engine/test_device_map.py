@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from exspec import EngineConfig, SamplingParams
 from exspec.errors import ModelLoadError
-from exspec.models import check_spread
+from exspec.models.loading import check_spread
 
 from enginekit import assert_equivalent, make_engine, make_prompts
 

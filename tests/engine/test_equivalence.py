@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from exspec import SamplingParams
-from exspec.scheduler import AdaptiveK
+from exspec.engine.adaptive_k import AdaptiveK
 
 from enginekit import GPT2_MAX_POS, assert_equivalent, make_engine, make_prompts
 
@@ -105,7 +105,7 @@ def test_auto_draft_stop_calibrates_on_every_verified_draft_and_matches_target_g
     engine's accepted_tokens (every step is planned at k = 5, so every step is observed, stopped
     or not: where auto stops depends on measured step times), and outputs stay the target's
     greedy ones."""
-    from exspec.draft_stop import DraftStop
+    from exspec.spec.draft_stop import DraftStop
     monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap: cap)
     monkeypatch.setattr(DraftStop, "DECAY", 1.0)
     prompts = make_prompts(320, pairs["gpt2", "eos"], seed=43, count=8)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from exspec.kv import PaddedKV
+from exspec.kv.padded import PaddedKV
 
 
 def make_kv(batch):
@@ -132,7 +132,7 @@ def test_layer_masks_window_by_position_not_column():
     """A row with holes (a pad column between its old and new entries, as PaddedKV holds it
     before a realignment): the sliding mask counts positions, so the hole does not widen or
     narrow the window; one mask per layer type."""
-    from exspec.kv import LayerMasks
+    from exspec.kv.padded import LayerMasks
     masks = LayerMasks({"full_attention": None, "sliding_attention": 2})
     valid = torch.tensor([[False, True, True, False, True, True]])   # positions -, 0, 1, -, 2, 3
     positions = valid.cumsum(1) - 1

@@ -1,10 +1,10 @@
-"""EXSPEC's block store (kv_blocks.py) on its own: allocation units, blocks returned when rows
+"""EXSPEC's block store (kv/blocks.py) on its own: allocation units, blocks returned when rows
 leave, merges and leaving rows that copy no KV, growth that keeps every entry, and the mask."""
 import torch
 
 from exspec.demo.tiny import llama
-from exspec.kv import FULL_ATTENTION
-from exspec.kv_blocks import BLOCK_SIZE, BlockStores
+from exspec.kv.padded import FULL_ATTENTION
+from exspec.kv.blocks import BLOCK_SIZE, BlockStores
 
 
 def prefill(kv, model, lengths):

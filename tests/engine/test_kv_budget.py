@@ -5,10 +5,11 @@ Admission counts what the layout allocates, not what rows use: the KV tensors' o
 within the budget through a churning schedule on both layouts."""
 import pytest
 
-from exspec import EngineBusyError, InvalidRequestError, SamplingParams, kv_blocks
-from exspec.engine import kv_bytes_per_entry
-from exspec.kv import PaddedKV
-from exspec.scheduler import Scheduler
+from exspec import EngineBusyError, InvalidRequestError, SamplingParams
+from exspec.kv import blocks as kv_blocks
+from exspec.engine.llm_engine import kv_bytes_per_entry
+from exspec.kv.padded import PaddedKV
+from exspec.engine.scheduler import Scheduler
 
 from enginekit import make_engine, make_prompts
 

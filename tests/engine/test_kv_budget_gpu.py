@@ -59,8 +59,8 @@ def test_block_stores_take_their_share_at_load_and_never_grow(pairs):
     its whole share at the warm-up (the compiled path, CUDA graphs) and keeps the same buffers
     through a burst: no doubling, no second buffer alive, no graph recaptured for a new one.
     (Unverified here: written without a GPU.)"""
-    from exspec import kv_blocks
-    from exspec.engine import kv_bytes_per_entry
+    from exspec.kv import blocks as kv_blocks
+    from exspec.engine.llm_engine import kv_bytes_per_entry
     engine = LLMEngine(EngineConfig(
         target_model=pairs["llama", "target"], draft_model=pairs["llama", "noisy"],
         tokenizer=pairs["tokenizer"], method="exspec", num_speculative_tokens=4, max_batch_size=8,

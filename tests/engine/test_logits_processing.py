@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from exspec import InvalidRequestError, SamplingParams
-from exspec.logits_processing import RowProcessing, bad_words_token_ids
+from exspec.sampling.logits_processing import RowProcessing, bad_words_token_ids
 
 from enginekit import first_difference, make_engine, make_prompts
 

@@ -1,4 +1,4 @@
-"""Per-token logprobs in vLLM's meaning (exspec/logprobs.py) and per-token text deltas, in the
+"""Per-token logprobs in vLLM's meaning (exspec/sampling/logprobs.py) and per-token text deltas, in the
 engine: only the rows that ask get them, and they are the target's own numbers."""
 import pytest
 import torch

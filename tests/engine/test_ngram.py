@@ -15,11 +15,12 @@ import random
 import pytest
 import torch
 
-from exspec import SamplingParams, compiled
+from exspec import SamplingParams
+from exspec.models import compiled
 from exspec.demo.tiny import build_tokenizer, llama
-from exspec.ngram import NgramProposer
-from exspec.runner import ModelRunner
-from exspec.scheduler import AdaptiveK
+from exspec.spec.ngram import NgramProposer
+from exspec.engine.runner import ModelRunner
+from exspec.engine.adaptive_k import AdaptiveK
 
 from enginekit import assert_equivalent, make_engine, make_prompts
 from test_pool import G

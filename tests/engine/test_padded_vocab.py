@@ -10,7 +10,7 @@ import torch
 
 from exspec import EngineConfig, LLMEngine, ModelLoadError, SamplingParams
 from exspec.demo.tiny import build_tokenizer, llama
-from exspec.models import ModelPair
+from exspec.models.loading import ModelPair
 
 from enginekit import make_prompts
 

@@ -11,8 +11,8 @@ import random
 import pytest
 
 from exspec import InvalidRequestError, SamplingParams
-from exspec.kv_blocks import BLOCK_SIZE
-from exspec.parallel_sampling import ParallelSampling
+from exspec.kv.blocks import BLOCK_SIZE
+from exspec.engine.parallel_sampling import ParallelSampling
 
 from enginekit import assert_seeded_equivalent, make_engine, make_prompts, run_schedule
 

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from exspec import EngineBusyError, SamplingParams
-from exspec import kv as kv_module
-from exspec import kv_blocks
-from exspec.draft_model import DraftModelProposer
-from exspec.draft_stop import DraftStop
-from exspec.runner import ModelRunner
-from exspec.scheduler import AdaptiveK, Scheduler
+from exspec.kv import padded as kv_module
+from exspec.kv import blocks as kv_blocks
+from exspec.spec.draft_model import DraftModelProposer
+from exspec.spec.draft_stop import DraftStop
+from exspec.engine.runner import ModelRunner
+from exspec.engine.adaptive_k import AdaptiveK
+from exspec.engine.scheduler import Scheduler
 
 from enginekit import make_engine, make_prompts, run_schedule
 
@@ -370,7 +371,7 @@ def test_adaptive_k_compares_costs_at_one_machine_speed():
 def test_scheduler_picks_starving_group_and_merges_equal_lengths():
     """Bookkeeping on a hand-built pool (no model): which groups one tick steps together."""
     from exspec.config import EngineConfig
-    from exspec.group import Group
+    from exspec.engine.group import Group
 
     class Seq:
         def __init__(self, length, skipped):
@@ -392,7 +393,7 @@ def test_scheduler_picks_starving_group_and_merges_equal_lengths():
 
 @pytest.mark.parametrize("fault", ["forward_error_every", "forward_oom_every"])
 def test_injected_forward_faults_fail_only_their_group(pairs, reference, fault):
-    from exspec.faults import EngineCrash  # noqa: F401  (the module documents the keys)
+    from exspec.utils.faults import EngineCrash  # noqa: F401  (the module documents the keys)
     engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2,
                          max_num_seqs=8, fault_injection={fault: 23})
     prompts = make_prompts(320, pairs["llama", "eos"], seed=29, count=8)
@@ -407,7 +408,7 @@ def test_injected_forward_faults_fail_only_their_group(pairs, reference, fault):
 
 
 def test_injected_crash_escapes_the_tick_and_bad_fault_keys_are_refused(pairs):
-    from exspec.faults import EngineCrash
+    from exspec.utils.faults import EngineCrash
     engine = make_engine(pairs, "llama", "noisy", fault_injection={"crash_after_ticks": 2})
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50))
     engine.step()

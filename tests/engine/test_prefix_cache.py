@@ -14,9 +14,9 @@ import random
 import pytest
 
 from exspec import EngineConfig, LLMEngine, SamplingParams
-from exspec.kv_blocks import BLOCK_SIZE
-from exspec.models import ModelPair
-from exspec.prefix_cache import BlockCache
+from exspec.kv.blocks import BLOCK_SIZE
+from exspec.models.loading import ModelPair
+from exspec.kv.block_cache import BlockCache
 
 from enginekit import assert_equivalent, assert_seeded_equivalent, make_engine, run_schedule
 from test_architectures import tokenizer

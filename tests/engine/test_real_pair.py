@@ -1,4 +1,4 @@
-"""The real pair (SmolLM2-135M-Instruct and the draft trained for it, exspec.real_pair) on chat
+"""The real pair (SmolLM2-135M-Instruct and the draft trained for it, exspec.models.real_pair) on chat
 prompts through the model's own ChatML template: speculative output == target-only output, greedy
 (Hugging Face generate) and seeded (the autoregressive path and the re-encoding reference), and
 the end of turn `<|im_end|>` stops a request. `make test` converts the pair first.
@@ -10,8 +10,8 @@ import torch
 from transformers import AutoTokenizer
 
 from exspec import EngineConfig, LLMEngine, SamplingParams
-from exspec.models import load_pair
-from exspec.real_pair import IM_END, QUESTIONS, chat_prompt, draft_is_current, ensure_pair
+from exspec.models.loading import load_pair
+from exspec.models.real_pair import IM_END, QUESTIONS, chat_prompt, draft_is_current, ensure_pair
 
 from enginekit import assert_equivalent, assert_seeded_equivalent
 

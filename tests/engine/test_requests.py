@@ -62,7 +62,7 @@ def test_max_tokens_one_and_streamed_deltas_join_to_text(pairs):
 
 
 def test_detokenizer_holds_back_partial_characters_and_stop_prefixes():
-    from exspec.detokenizer import Detokenizer
+    from exspec.engine.detokenizer import Detokenizer
     tok = build_tokenizer()
     text = "ab 日本語🚀 cd STOP ef"
     ids = _bytes_to_ids(tok, text.encode())   # one token per byte: characters arrive in parts
@@ -84,7 +84,7 @@ def test_incremental_detokenizer_equals_a_full_decode_at_every_step():
     still equal a full decode after every step (random ids: broken characters, merges and
     special tokens included), and a stop string must cut at its first occurrence."""
     import random
-    from exspec.detokenizer import Detokenizer
+    from exspec.engine.detokenizer import Detokenizer
     tok = build_tokenizer()
     rng = random.Random(5)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True,   # noqa: E731

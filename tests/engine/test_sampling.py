@@ -11,11 +11,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import exspec.runner
-import exspec.sampler
+import exspec.engine.runner
+import exspec.sampling.sampler
 from exspec import EngineConfig, LLMEngine, SamplingParams
-from exspec.noise import gumbel, uniforms
-from exspec.sampler import RowSampling, coupled_tokens, probs_from_logits
+from exspec.sampling.noise import gumbel, uniforms
+from exspec.sampling.sampler import RowSampling, coupled_tokens, probs_from_logits
 from exspec.demo.tiny import llama
 
 VOCAB, SAMPLES = 12, 20_000
@@ -123,14 +123,14 @@ def test_penalized_joint_distribution_matches_target(small_vocab_pair, coupling)
 
 
 def test_residual_replaced_by_p_is_detected(small_vocab_pair, monkeypatch):
-    monkeypatch.setattr(exspec.sampler, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(exspec.sampling.sampler, "residual_distribution", lambda p, q: p)
     counts, _ = sample_engine(small_vocab_pair, range(SAMPLES), "rejection")
     pvalue = chi2_pvalue(counts, target_joint(small_vocab_pair[0]))
     assert pvalue < 1e-6, f"a broken residual went unnoticed (p={pvalue:.2e})"
 
 
 def test_gumbel_noise_repeated_across_positions_is_detected(small_vocab_pair, monkeypatch):
-    monkeypatch.setattr(exspec.runner, "gumbel",
+    monkeypatch.setattr(exspec.engine.runner, "gumbel",
                         lambda seeds, positions, vocab: gumbel(seeds, positions * 0, vocab))
     counts, _ = sample_engine(small_vocab_pair, range(SAMPLES), "gumbel")
     pvalue = chi2_pvalue(counts, target_joint(small_vocab_pair[0]))
@@ -223,13 +223,13 @@ def test_processed_logits_sort_only_for_top_p_and_match_the_full_sort(top_ks, to
     rows = RowSampling.from_params(params + [SamplingParams(temperature=0.0, top_p=0.5)], "cpu")
     logits = torch.cat([logits, logits[:1]])
     with SortCalls() as calls:
-        got = exspec.sampler.processed_logits(logits, rows)
+        got = exspec.sampling.sampler.processed_logits(logits, rows)
     assert calls.sorts == sorts, f"{calls.sorts} sorts for top_k {top_ks}, top_p {top_p}"
-    want = exspec.sampler._top_k_top_p(logits.float() / rows.temperature[:, None, None], rows)
+    want = exspec.sampling.sampler._top_k_top_p(logits.float() / rows.temperature[:, None, None], rows)
     torch.testing.assert_close(got[:4].softmax(-1), want[:4].softmax(-1), rtol=0, atol=1e-6)
     # negative control: a top-k the shortcut ignored would differ from the sort
     if any(top_ks) and top_p == 1.0:
         rows.max_top_k = 0
         with pytest.raises(AssertionError):
-            torch.testing.assert_close(exspec.sampler.processed_logits(logits, rows)[:4].softmax(-1),
+            torch.testing.assert_close(exspec.sampling.sampler.processed_logits(logits, rows)[:4].softmax(-1),
                                        want[:4].softmax(-1), rtol=0, atol=1e-6)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from exspec import SamplingParams
-from exspec.noise import uniforms
-from exspec.scheduler import AdaptiveK, Scheduler
+from exspec.sampling.noise import uniforms
+from exspec.engine.adaptive_k import AdaptiveK
+from exspec.engine.scheduler import Scheduler
 
 from enginekit import GPT2_MAX_POS, assert_seeded_equivalent, make_engine, make_prompts, run_schedule
 

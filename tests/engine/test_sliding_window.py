@@ -15,9 +15,10 @@ from functools import lru_cache
 import pytest
 import torch
 
-from exspec import EngineConfig, LLMEngine, SamplingParams, compiled
-from exspec import kv as kv_module
-from exspec.models import ModelPair
+from exspec import EngineConfig, LLMEngine, SamplingParams
+from exspec.models import compiled
+from exspec.kv import padded as kv_module
+from exspec.models.loading import ModelPair
 
 from test_architectures import tokenizer
 from tiny_archs import build, greedy_reference

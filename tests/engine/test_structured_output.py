@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from exspec import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from exspec.demo.tiny import build_tokenizer, llama, noisy_copy
-from exspec.noise import gumbel
-from exspec.sampler import RowSampling, perturbed_scores
-from exspec.structured_output import Grammars, StructuredOutput
+from exspec.sampling.noise import gumbel
+from exspec.sampling.sampler import RowSampling, perturbed_scores
+from exspec.sampling.structured_output import Grammars, StructuredOutput
 
 from enginekit import first_difference
 
@@ -294,12 +294,12 @@ def test_schema_key_order_is_kept(pair):
 
 @pytest.mark.slow
 def test_real_pair_schema_output_is_target_only_and_valid():
-    """SmolLM2-135M-Instruct and its 2-layer draft (exspec.real_pair), 49,152 tokens: a chat
+    """SmolLM2-135M-Instruct and its 2-layer draft (exspec.models.real_pair), 49,152 tokens: a chat
     question under a JSON schema, greedy and seeded, exspec and eqspec at k 4 in a batch with a
     free row, equal the autoregressive method's output and validate."""
-    from exspec.real_pair import PAIR_DIR
+    from exspec.models.real_pair import PAIR_DIR
     if not (PAIR_DIR / "target" / "model.safetensors").exists():
-        pytest.skip("the real pair is not built: python -m exspec.real_pair")
+        pytest.skip("the real pair is not built: python -m exspec.models.real_pair")
     schema = {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
         "population_millions": {"type": "number"}}, "required": ["city", "country", "population_millions"],

@@ -1,12 +1,12 @@
 """torch's CPU thread count is chosen by one rule for the server and the benchmark
-(exspec.threads): model.json torch_threads, else OMP_NUM_THREADS, else one thread."""
+(exspec.utils.threads): model.json torch_threads, else OMP_NUM_THREADS, else one thread."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from exspec import EngineConfig
-from exspec.threads import DEFAULT_THREADS, apply_threads, choose_threads
+from exspec.utils.threads import DEFAULT_THREADS, apply_threads, choose_threads
 
 from enginekit import make_engine
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from exspec import SamplingParams
-from exspec.transfer import TransferAudit
+from exspec.utils.transfer import TransferAudit
 
 from enginekit import assert_seeded_equivalent, make_engine, make_prompts, run_schedule
 

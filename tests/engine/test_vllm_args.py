@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from exspec import EngineConfig, LLMEngine, SamplingParams
-from exspec import engine as engine_module
-from exspec.ngram import NgramProposer
+from exspec.engine import llm_engine as engine_module
+from exspec.spec.ngram import NgramProposer
 
 from enginekit import make_prompts
 

@@ -139,7 +139,7 @@ def pair_dir(repository) -> Path:
 def engine(pair_dir):
     """The same engine, in process, on the `exspec` pair: served output must equal it."""
     from exspec import EngineConfig
-    from exspec.engine import LLMEngine
+    from exspec.engine.llm_engine import LLMEngine
     pair = pair_dir / "exspec"
     return LLMEngine(EngineConfig.from_dict({
         "target_model": str(pair / "target"), "draft_model": str(pair / "draft"),

@@ -1,4 +1,4 @@
-"""The real pair (SmolLM2-135M-Instruct, exspec.real_pair) in a real tritonserver: a chat
+"""The real pair (SmolLM2-135M-Instruct, exspec.models.real_pair) in a real tritonserver: a chat
 question rendered through the model's own chat template, sent as Triton's OpenAI frontend sends a
 chat completion (test_openai_frontend.frontend_request) over the gRPC stream and as an HTTP
 generate_stream, comes back as the in-process engine's greedy answer, ending at `<|im_end|>`.
@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from exspec import EngineConfig, LLMEngine, SamplingParams
-from exspec.real_pair import QUESTIONS, chat_prompt, ensure_pair
+from exspec.models.real_pair import QUESTIONS, chat_prompt, ensure_pair
 from exspec.serving.launcher import TritonServer
 
 from clients import generate_stream, grpc_one

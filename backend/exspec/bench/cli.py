@@ -45,15 +45,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .. import EngineConfig
+from ..models.loading import DTYPES, load_pair
+from ..sampling.sampler import COUPLINGS
+from ..utils.threads import apply_threads, choose_threads
 from .equivalence import Reference
 from .ideal import CostModel
 from .methods import (HF_METHODS, METHODS, CellKey, EngineMethod, HFModels, Prompt, Run, make_method,
                       run_interleaved)
 from .paths import forward_costs
-from .. import EngineConfig
-from ..models import DTYPES, load_pair
-from ..sampler import COUPLINGS
-from ..threads import apply_threads, choose_threads
 
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
 SPECULATIVE = ("eqspec", "exspec", "eqspec_ngram", "exspec_ngram", "hf_assisted")
@@ -194,7 +194,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="torch.compile backend of the compiled path (eager / aot_eager: Dynamo's "
                          "graphs without generated code, for a quick check of the machinery)")
     ap.add_argument("--pair", choices=("demo", "deep-narrow", "smollm2"), default="demo",
-                    help="without --target: the demo pair, smollm2 (the real pair, exspec.real_pair, "
+                    help="without --target: the demo pair, smollm2 (the real pair, exspec.models.real_pair, "
                          "on its chat prompts), or a deep, narrow random pair built here "
                          f"({DEEP_NARROW['target_layers']} and {DEEP_NARROW['draft_layers']} layers, "
                          f"hidden {DEEP_NARROW['hidden']}: the launch-bound regime of a GPU, on a CPU)")
@@ -244,7 +244,7 @@ def resolve_pair(args) -> str:
     if args.pair == "deep-narrow":
         pair, name = build_deep_narrow_pair(tempfile.mkdtemp(prefix="exspec-bench-")), "deep-narrow"
     elif args.pair == "smollm2":
-        from ..real_pair import ensure_pair
+        from ..models.real_pair import ensure_pair
         pair, name = ensure_pair(), "smollm2"
         args.tokenizer = args.tokenizer or str(pair / "target")
         args.prompts = args.prompts or pair / "prompts.jsonl"
@@ -364,7 +364,7 @@ def set_up(args):
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()   # weight loading, once per engine
-    from .. import compiled
+    from ..models import compiled
     compiled.COMPILE_BACKEND = args.compile_backend
 
 

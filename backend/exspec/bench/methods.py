@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import EngineConfig, LLMEngine, SamplingParams
-from ..models import DTYPES, _eos_ids, _max_positions
+from ..models.loading import DTYPES, _eos_ids, _max_positions
 
 # method -> (EngineConfig.method, EngineConfig.proposer): the *_ngram methods propose by prompt
 # lookup (ngram.py) and load no draft

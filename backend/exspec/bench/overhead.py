@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from .. import EngineConfig, LLMEngine, SamplingParams
-from ..threads import apply_threads, choose_threads
+from ..utils.threads import apply_threads, choose_threads
 from .cli import DEMO_DIR
 
 

@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}")
     if args.pair == "smollm2":
-        from ..real_pair import ensure_pair
+        from ..models.real_pair import ensure_pair
         root = ensure_pair()
         pair = dict(target_model=str(root / "target"), draft_model=str(root / "draft"),
                     tokenizer=str(root / "target"))

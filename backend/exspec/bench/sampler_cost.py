@@ -17,8 +17,8 @@ import time
 import torch
 
 from exspec import SamplingParams
-from exspec.noise import gumbel
-from exspec.sampler import RowSampling, coupled_tokens
+from exspec.sampling.noise import gumbel
+from exspec.sampling.sampler import RowSampling, coupled_tokens
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .. import EngineConfig, LLMEngine, SamplingParams
-from ..structured_output import Grammars, StructuredOutput
+from ..sampling.structured_output import Grammars, StructuredOutput
 from .cli import DEMO_DIR
 
 
@@ -92,7 +92,7 @@ class MaskTimer:
     function in place."""
 
     def __init__(self):
-        from .. import structured_output
+        from ..sampling import structured_output
         self.waited = self.filled = 0.0
         for owner, name, total in ((structured_output.StepMasks, "extend", "waited"),
                                    (structured_output.StepMasks, "forbidden", "waited"),
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}")
-    from ..real_pair import ensure_pair
+    from ..models.real_pair import ensure_pair
     root = ensure_pair()
     print("| tokenizer | vocabulary | llguidance tokenizer ms (once) | compile ms, 30-property schema, median (min-max) | mask us per token | tokens walked |")
     print("|---|---|---|---|---|---|")

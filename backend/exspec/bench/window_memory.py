@@ -20,8 +20,8 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from .. import EngineConfig, LLMEngine, SamplingParams
 from ..demo.tiny import _init, build_tokenizer, noisy_copy
-from ..kv import LayerMasks
-from ..models import ModelPair
+from ..kv.padded import LayerMasks
+from ..models.loading import ModelPair
 
 
 def tiny_gemma3(window: int, layers: int, seed: int = 0):

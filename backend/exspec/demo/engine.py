@@ -1,7 +1,7 @@
 """`python -m exspec.demo.engine`: the engine on a model pair, speculative vs target-only, side by side.
 
 With --real, the real pair (SmolLM2-135M-Instruct and the draft trained for it,
-exspec.real_pair) on chat questions through its own chat template. Otherwise the toy pair, a
+exspec.models.real_pair) on chat questions through its own chat template. Otherwise the toy pair, a
 tiny code model for fast tests: the shipped demo pair (model_repository/exspec/1/demo) when
 present, else a small seeded pair built locally. Prints which pair it runs, both outputs,
 whether they match token for token, the acceptance rate, tokens/s of each and the speed-up.
@@ -27,7 +27,7 @@ TOY_PAIR = "toy pair: a tiny code model for fast tests, not an assistant"
 
 def _pair_dir(args) -> tuple[Path, list[str]]:
     if args.real:
-        from ..real_pair import ensure_pair
+        from ..models.real_pair import ensure_pair
         pair = ensure_pair()
         rows = [json.loads(line) for line in (pair / "prompts.jsonl").read_text().splitlines()]
         return pair, [r["turns"][0] for r in rows]

@@ -1,6 +1,6 @@
 """`python -m exspec.demo.server`: the real pair in a real tritonserver, as a client sees it.
 
-Serves SmolLM2-135M-Instruct with the draft trained for it (exspec.real_pair, set up once) as model
+Serves SmolLM2-135M-Instruct with the draft trained for it (exspec.models.real_pair, set up once) as model
 `exspec` on free ports through the launcher, then
   1. streams each chat question over gRPC (tritonclient), once speculative and once with
      `num_speculative_tokens: 0` (the same server decoding autoregressively), the two
@@ -29,7 +29,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..real_pair import QUESTIONS, chat_prompt, ensure_pair
+from ..models.real_pair import QUESTIONS, chat_prompt, ensure_pair
 from ..serving.launcher import TritonServer
 from ..serving.openai_frontend import DEFAULT_FRONTEND
 from ..serving.ports import reserve_ports

@@ -34,7 +34,7 @@ counts it with Dynamo's own counters; test_compiled_inductor.py with inductor); 
 compiles after the warm-up anyway logs a warning naming its shape.
 
 Nothing that varies per step reaches the graph as a Python int: the KV layouts hand the model
-device tensors (EXSPEC's block tables, slots and masks, kv_blocks.py; EQSPEC's 2D mask, or its
+device tensors (EXSPEC's block tables, slots and masks, kv/blocks.py; EQSPEC's 2D mask, or its
 4D masks by layer type for sliding-window models, built outside the graph: a window never
 reaches it).
 
@@ -43,7 +43,7 @@ run on a GPU): the same compile with mode "reduce-overhead", i.e. inductor's cud
 chosen over hand-made torch.cuda.CUDAGraph capture because they already copy inputs into static
 buffers, key graphs by shape and check input addresses; a hand-made capture would duplicate that
 and still need a graph per (rows, query width, cache bucket). The store's buffers are marked as
-static addresses (kv_blocks._buffer) so their in-place writes do not make it skip a graph. Each
+static addresses (kv.blocks._buffer) so their in-place writes do not make it skip a graph. Each
 forward starts a new replay generation; what outlives it is cloned (the whole-model fallback's
 logits; regionally the lm_head is eager and its logits are new tensors anyway). Rows are not
 padded to buckets: a graph is captured per concrete shape, a capture costs no compile, and the
@@ -61,9 +61,9 @@ import torch
 import torch._dynamo.utils
 from transformers.cache_utils import Cache
 
-from .config import log
-from .kv import LayerCache
-from .params import SamplingParams
+from ..config import log
+from ..kv.padded import LayerCache
+from ..params import SamplingParams
 
 # "inductor" generates C++ (CPU) or Triton (GPU) kernels. Dynamo's guards, hence recompiles and
 # graph breaks, mostly do not depend on the backend, so most tests use "eager" (no C++); inductor's

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .transfer import float_bits, floats_from_bits
+from ..utils.transfer import float_bits, floats_from_bits
 
 COUPLINGS = ("gumbel", "rejection")
 

@@ -3,7 +3,7 @@ module that touches cache tensors.
 
 Two layouts share one interface (attention_mask / appended / drop_tail / compact / select /
 concat), so the runner and the pool never look inside: PaddedKV here, and EXSPEC's static,
-block-allocated BlockKV in kv_blocks.py. Both mask through LayerMasks (below): one mask per
+block-allocated BlockKV in kv/blocks.py. Both mask through LayerMasks (below): one mask per
 layer type, from positions.
 
 PaddedKV (EQSPEC). A group's cache for one model is a transformers DynamicCache of [B, H, L, D] tensors plus a
@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer,
                                      get_layer_types_and_kwargs)
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 
 def cache_layer_classes(model) -> set[type]:
@@ -227,7 +227,7 @@ class PaddedKV:
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
 
     def table_rows_for(self, extra: list[int]) -> None:
-        """No block table here (kv_blocks.BlockKV has one)."""
+        """No block table here (kv.blocks.BlockKV has one)."""
         return None
 
     def make_contiguous(self) -> int:

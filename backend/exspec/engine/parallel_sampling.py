@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .outputs import RequestOutput
-from .params import SamplingParams
+from ..outputs import RequestOutput
+from ..params import SamplingParams
 from .sequence import Sequence
 
 

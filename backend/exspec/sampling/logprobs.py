@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .outputs import TokenLogprob
+from ..outputs import TokenLogprob
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]):

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from ..outputs import TokenLogprob
+from ..params import SamplingParams
+from ..sampling.structured_output import RowGrammar
 from .detokenizer import Detokenizer
-from .outputs import TokenLogprob
-from .params import SamplingParams
-from .structured_output import RowGrammar
 
 
 class Sequence:

@@ -16,29 +16,29 @@ from collections import deque
 
 import torch
 
-from . import compiled
-from .architecture import check_servable, kv_layout
-from .config import EngineConfig
+from ..config import EngineConfig
+from ..errors import EngineBusyError, InvalidRequestError, ModelLoadError
+from ..kv.blocks import BlockStores
+from ..models import compiled
+from ..models.architecture import check_servable, kv_layout
+from ..models.loading import ModelPair, load_pair, model_devices
+from ..outputs import CompletionOutput, RequestOutput
+from ..params import SamplingParams
+from ..sampling.logits_processing import bad_words_token_ids
+from ..sampling.structured_output import Grammars
+from ..spec.draft_model import DraftModelProposer
+from ..spec.ngram import NgramProposer
+from ..spec.proposer import Proposer
+from ..spec.vocab import PaddedVocab, check_vocabularies, logit_rows
+from ..utils.faults import Faults
+from ..utils.stats import Stats
+from ..utils.threads import apply_threads, choose_threads
 from .detokenizer import Detokenizer
-from .errors import EngineBusyError, InvalidRequestError, ModelLoadError
-from .faults import Faults
-from .logits_processing import bad_words_token_ids
-from .kv_blocks import BlockStores
-from .models import ModelPair, load_pair, model_devices
-from .draft_model import DraftModelProposer
-from .ngram import NgramProposer
-from .outputs import CompletionOutput, RequestOutput
 from .parallel_sampling import ParallelSampling, child_id, child_params
-from .params import SamplingParams
 from .pool import SequencePool, Touched
-from .prefix_cache import PrefixCaching
-from .proposer import Proposer
+from .prefix_caching import PrefixCaching
 from .runner import ModelRunner
 from .sequence import Sequence
-from .stats import Stats
-from .structured_output import Grammars
-from .threads import apply_threads, choose_threads
-from .vocab import PaddedVocab, check_vocabularies, logit_rows
 
 
 def _load_libc():

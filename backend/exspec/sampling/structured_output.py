@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's StructuredOutputsParams / GuidedDecodingParams fields besides KINDS: the backend is

@@ -14,14 +14,14 @@ import traceback
 import torch
 from collections import deque
 
-from .config import EngineConfig
+from ..config import EngineConfig
+from ..outputs import TokenLogprob
+from ..utils.stats import Stats
 from .group import Group
-from .outputs import TokenLogprob
-from .prefix_cache import PrefixCaching
+from .prefix_caching import PrefixCaching
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .stats import Stats
 
 Touched = tuple[Sequence, list[int], "list[TokenLogprob] | None"]
 

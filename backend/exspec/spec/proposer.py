@@ -1,6 +1,6 @@
 """Proposer: where a speculative step's drafts come from (design: "Proposers").
 
-The runner holds one proposer, chosen once at load (engine.py), and never asks which it holds.
+The runner holds one proposer, chosen once at load (engine/llm_engine.py), and never asks which it holds.
 A step reads: plan -> one upload -> propose -> verify -> accept -> commit, and the proposer
 takes part at each point:
 - `plan` (before the upload, on the host): the step's width and each row's cap. A host proposer
@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from .sampler import RowSampling
-    from .stats import Stats
-    from .structured_output import RowGrammar, StepMasks
-    from .transfer import Upload
+    from ..sampling.sampler import RowSampling
+    from ..sampling.structured_output import RowGrammar, StepMasks
+    from ..utils.stats import Stats
+    from ..utils.transfer import Upload
 
 
 class Row(Protocol):

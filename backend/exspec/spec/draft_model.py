@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling.structured_output import apply_masks
 from .draft_stop import confidence_bins
 from .proposer import KVState, Plan, Proposal, Proposer, Runner, StepState
-from .structured_output import apply_masks
 from .vocab import PaddedVocab
 
 

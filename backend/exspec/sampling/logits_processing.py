@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .transfer import Upload, float_bits, floats_from_bits
+from ..utils.transfer import Upload, float_bits, floats_from_bits
 
 NEG_INF = float("-inf")
 NO_TOKEN = -2   # a tail slot before the row's first token: matches no bad word's prefix

@@ -1,7 +1,7 @@
 """EXSPEC's KV storage: static, block-allocated, one store per model (design: "EXSPEC scheduling").
 
-A separate module next to kv.py (which keeps PaddedKV, EQSPEC's baseline) because the store, its
-allocator and its cache layer are one concept of their own and together would push kv.py past
+A separate module next to padded.py (which keeps PaddedKV, EQSPEC's baseline) because the store, its
+allocator and its cache layer are one concept of their own and together would push padded.py past
 ~400 lines. All of its tensor surgery stays in here.
 
 KVStore. Per model, per layer, one preallocated buffer of keys and one of values,
@@ -37,9 +37,9 @@ import weakref
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .kv import LayerMasks, new_cache
-from .prefix_cache import BlockCache
-from .transfer import Transfers
+from ..utils.transfer import Transfers
+from .block_cache import BlockCache
+from .padded import LayerMasks, new_cache
 
 BLOCK_SIZE = 16
 SCRATCH_BLOCK = 0
@@ -140,7 +140,7 @@ class KVStore:
     def __init__(self, model, device, num_blocks: int = 64, grows: bool = True,
                  bucketed: bool = False, prefix=None):
         self.device = torch.device(device)
-        self.prefix = prefix   # prefix_cache.BlockCache, or None: caching off
+        self.prefix = prefix   # block_cache.BlockCache, or None: caching off
         self.bucketed = bucketed   # table widths in powers of two (few shapes, for compiling)
         self.masks = LayerMasks.of(model)
         self.num_blocks = max(2, num_blocks)
@@ -215,7 +215,7 @@ class BlockTable:
     def __init__(self, store: KVStore):
         self.blocks: list[int] = []   # never rebound: the finalizer frees this very list
         self.length = 0               # KV entries written for real tokens
-        self.cached_blocks = 0        # leading blocks the prefix cache has seen (prefix_cache.py)
+        self.cached_blocks = 0        # leading blocks the prefix cache has seen (engine/prefix_caching.py)
         self.content = 0              # the content id of the last of them
         self.release = weakref.finalize(self, store.free, self.blocks)
 
@@ -358,7 +358,7 @@ class BlockStores:
         buffers for a moment, past the budget."""
         self.device = device
         self.bucketed = bucketed   # the compiled path: table widths in powers of two
-        self.prefix_caching = prefix_caching   # each store keeps a prefix_cache.BlockCache
+        self.prefix_caching = prefix_caching   # each store keeps a block_cache.BlockCache
         self.blocks = None if max_num_kv_tokens is None else max_num_kv_tokens // BLOCK_SIZE
         self.stores: dict[int, KVStore] = {}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 
 def logit_rows(model) -> int:

@@ -1,0 +1,1 @@
+"""The tick: LLMEngine, the pool and its scheduler, the model runner, a sequence, a group."""

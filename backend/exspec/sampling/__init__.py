@@ -1,0 +1,1 @@
+"""Sampling: the sampler and its noise, logits processing, logprobs, structured outputs."""

@@ -1,0 +1,1 @@
+"""Speculation: the Proposer interface and one module per proposer; draft stop, vocabularies."""

@@ -1,0 +1,1 @@
+"""Small utilities: host-device transfers, statistics, CPU threads, fault injection."""
