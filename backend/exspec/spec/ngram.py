@@ -18,7 +18,6 @@ from .proposer import Plan, Proposal, Proposer, Runner, StepState
 class NgramProposer(Proposer):
     name = "ngram"
     proposes = True
-    cost_on_host = True
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n = min_n

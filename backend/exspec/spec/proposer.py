@@ -148,7 +148,6 @@ class Proposer:
     proposes = False           # whether any step can verify drafts
     gives_q = False            # drafts come with their distribution q (else point masses)
     gives_confidences = False  # its drafts' confidences can end a round early (draft_stop.py)
-    cost_on_host = False       # its time is host work before the upload (adaptive k: per step)
     models: tuple = ()         # models it runs: compiled and warmed up with the target
     kv_models: tuple = ()      # models it keeps a KV cache of per group, in the layout's stores
     vocab = None               # how its ids and logits map to the target's (vocab.PaddedVocab)
