@@ -198,3 +198,25 @@ def test_prefix_cache_hits_keep_output_exact(pairs, reference, proposer):
     stats = engine.stats()
     assert stats["prefix_cache_hits"] >= 32 * len(second), stats
     assert stats["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_request_end_reaches_the_proposer_once_with_its_reason(pairs, proposer, method):
+    """`Proposer.request_done`: every sequence once, as it ends (length, stop, abort, error),
+    so a proposer that learns across requests can leave aborted and failed ones out."""
+    name, _, _, prompts = proposer
+    engine = engine_for(pairs, proposer, method, max_batch_size=4)
+    heard = []
+    engine.proposer.request_done = lambda row, reason: heard.append((row.request_id, reason))
+    eos = pairs["llama", "eos"]
+    params = {"long": SamplingParams(max_tokens=40, ignore_eos=True),
+              "short": SamplingParams(max_tokens=3),
+              "aborted": SamplingParams(max_tokens=40, ignore_eos=True),
+              "failed": SamplingParams(max_tokens=8, allowed_token_ids=[eos], stop_token_ids=[eos],
+                                       min_tokens=4)}
+    arrivals = {0: [(rid, prompts[i]) for i, rid in enumerate(params)]}
+    _, finished, _ = run_schedule(engine, arrivals, {4: ["aborted"]}, params)
+    assert sorted(heard) == sorted((rid, out.finish_reason) for rid, out in finished.items()), name
+    assert dict(heard) == {"long": "length", "short": dict(heard)["short"], "aborted": "abort",
+                           "failed": "error"}
+    assert dict(heard)["short"] in ("length", "stop")

@@ -328,6 +328,9 @@ class LLMEngine:
             else:
                 merged[seq.request_id] = (seq, list(new_ids), new_lp)
         outputs = []
+        for seq, _, _ in merged.values():
+            if seq.finished:   # its one final output: the proposer hears of it once
+                self.proposer.request_done(seq, seq.finish_reason)
         for seq, new_ids, new_lp in merged.values():
             texts = seq.take_token_texts() if seq.params.text_per_token else None
             rest = seq.detokenizer.take_delta(final=seq.finished)

@@ -19,7 +19,6 @@ from .vocab import PaddedVocab
 class DraftModelProposer(Proposer):
     name = "draft_model"
     proposes = True
-    gives_q = True
     gives_confidences = True
 
     def __init__(self, model, vocab: PaddedVocab | None = None):

@@ -10,9 +10,10 @@ takes part at each point:
 - `stage` puts what it needs into the step's one upload (it never copies on its own) and names
   the room its caches need; `propose` reads its sections of what arrived and returns a
   `Proposal`: drafted tokens (and their distributions q), or a verification input of its own.
-- `commit` rolls its state back to what each row kept.
+- `commit` rolls its state back to what each row kept; `request_done` tells it a row's request
+  ended, and how.
 Its per-group state (`new_state`: a KV cache, or nothing) rides in the Group opaquely: the group
-keeps, merges and realigns it with its own rows. Its capabilities (`gives_q`,
+keeps, merges and realigns it with its own rows. Its capabilities (`proposes`,
 `gives_confidences`, `models`, `kv_models`) are what the scheduler and the warm-up read.
 """
 from __future__ import annotations
@@ -146,7 +147,6 @@ class Proposer:
 
     name = "none"
     proposes = False           # whether any step can verify drafts
-    gives_q = False            # drafts come with their distribution q (else point masses)
     gives_confidences = False  # its drafts' confidences can end a round early (draft_stop.py)
     models: tuple = ()         # models it runs: compiled and warmed up with the target
     kv_models: tuple = ()      # models it keeps a KV cache of per group, in the layout's stores
@@ -176,3 +176,8 @@ class Proposer:
 
     def commit(self, state, width: int, accepted: list[int], kept: torch.Tensor) -> None:
         """Each row kept accepted[i] of `width` drafts (`kept`: the same on the device)."""
+
+    def request_done(self, row: Row, reason: str) -> None:
+        """A row's request ended (`reason`: stop, length, abort or error), once per row, on the
+        engine's thread: what a proposer learns across requests (a suffix tree of outputs)
+        takes only rows that ended well, and frees what it kept per request."""
