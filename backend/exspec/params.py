@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .errors import InvalidRequestError
 from .sampling.structured_output import StructuredOutput
 
@@ -12,6 +14,8 @@ MAX_LOGPROBS = 20   # vLLM's default max_logprobs
 MAX_LOGIT_BIAS, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 1024, 64, 256
 # samples per request (n): each is its own sequence in the pool, with its own KV reservation
 MAX_N = 16
+FLOAT32_MAX = 3.4028234663852886e38   # what a float field must fit: rows' settings go up as float32
+MIN_TEMPERATURE = 1e-2   # vLLM's _MAX_TEMP: a lower temperature > 0 is raised to it (NaN-free)
 
 
 @dataclass
@@ -55,6 +59,8 @@ class SamplingParams:
             self.bad_words = None
         self.structured_outputs = StructuredOutput.parse(self.structured_outputs)
         self.validate()
+        if 0 < self.temperature < MIN_TEMPERATURE:   # as vLLM: 1e-40 would overflow the logits
+            self.temperature = MIN_TEMPERATURE
         if self.best_of == self.n:   # the only value served, and what absent means
             self.best_of = None
 
@@ -70,8 +76,10 @@ class SamplingParams:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.temperature > FLOAT32_MAX:
+            bad(f"temperature must fit float32 (<= {FLOAT32_MAX:.4g}), got {self.temperature!r}")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0) or _float32(self.top_p) == 0:
+            bad(f"top_p must be in (0, 1] and nonzero in float32, got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             bad(f"top_k must be an integer >= 0 (or -1 for off), got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**63)):
@@ -113,6 +121,9 @@ class SamplingParams:
         if not _is_real(self.repetition_penalty) or not (
                 math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             bad(f"repetition_penalty must be greater than zero, got {self.repetition_penalty!r}.")
+        if not 0 < _float32(min(self.repetition_penalty, FLOAT32_MAX)) or self.repetition_penalty > FLOAT32_MAX:
+            bad(f"repetition_penalty must fit float32 ({_float32_tiny():.4g} to {FLOAT32_MAX:.4g}), "
+                f"got {self.repetition_penalty!r}.")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}.")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -125,9 +136,10 @@ class SamplingParams:
                 "min_tokens tokens are out, exspec would stop at them; send one or the other")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                    _is_int(t) and t >= 0 and _is_real(v) and math.isfinite(v)
+                    _is_int(t) and t >= 0 and _is_real(v) and abs(v) <= FLOAT32_MAX
                     for t, v in self.logit_bias.items()):
-                bad("logit_bias must map token ids (integers >= 0) to finite numbers")
+                bad(f"logit_bias must map token ids (integers >= 0) to finite numbers within "
+                    f"float32's range (|bias| <= {FLOAT32_MAX:.4g})")
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 bad(f"logit_bias allows at most {MAX_LOGIT_BIAS} token ids")
         if self.allowed_token_ids is not None:
@@ -159,6 +171,15 @@ def _token_id(key):
     if isinstance(key, str) and key.strip().lstrip("+").isdigit():
         return int(key)
     return key
+
+
+def _float32(value: float) -> float:
+    """`value` as it reaches the device (float32)."""
+    return float(np.float32(value))
+
+
+def _float32_tiny() -> float:
+    return float(np.finfo(np.float32).smallest_subnormal)
 
 
 def _is_int(value) -> bool:

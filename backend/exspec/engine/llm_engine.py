@@ -180,6 +180,9 @@ class LLMEngine:
         if max_tokens > self.config.max_output_tokens:
             raise InvalidRequestError(f"max_tokens {max_tokens} exceeds the server limit of "
                                       f"{self.config.max_output_tokens}")
+        if params.min_tokens > max_tokens:   # max_tokens absent: the engine's default applies
+            raise InvalidRequestError(f"min_tokens must be less than or equal to max_tokens="
+                                      f"{max_tokens}, got {params.min_tokens}.")
         budget = self.config.max_num_kv_tokens
         if budget is not None:
             scheduler = self.pool.scheduler   # alone in the pool, the layout's own blocks included
@@ -345,6 +348,9 @@ class LLMEngine:
                 num_accepted_draft_tokens=seq.num_accepted_draft_tokens,
                 new_logprobs=new_lp))
         with self._lock:   # abort() reads the children from other threads
+            # an abort that came while its request finished ends with it: it must not reach a
+            # later request that reuses the id
+            self._aborts.difference_update(s.request_id for s, _, _ in merged.values() if s.finished)
             outputs, failed_siblings = self.parallel.relabel(outputs)
             self._live_ids.difference_update(out.request_id for out in outputs if out.finished)
             self._aborts |= failed_siblings
@@ -368,6 +374,9 @@ class LLMEngine:
         (StopIteration.value), so a caller can interleave ticks of several engines (the
         benchmark times them side by side)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):   # vLLM's rule, instead of waiting forever
+            raise ValueError(f"The lengths of prompts ({len(prompts)}) and params "
+                             f"({len(params_list)}) must be the same.")
         ids = [f"generate-{next(self._auto_ids)}" for _ in prompts]
         pending = deque(zip(ids, prompts, params_list))
         results, finished = {}, set()

@@ -30,6 +30,17 @@ from .group import Group
 from .sequence import Sequence
 
 
+NO_TOKEN = ("no token is allowed at output position {}: the request's constraints "
+            "(structured_outputs, allowed_token_ids, bad_words, min_tokens, logit_bias) leave none "
+            "there; the output before it is kept")
+
+
+def no_token_allowed(scores: torch.Tensor) -> torch.Tensor:
+    """[B, T]: whether a position's processed scores [B, T, V] allow no token at all (all -inf,
+    or NaN): a row that reaches one ends with an error rather than with an arbitrary token."""
+    return ~(scores.amax(-1) > float("-inf"))
+
+
 @dataclass
 class StepInputs:
     """What a step's one upload brought to the device (`ModelRunner._upload_step_inputs`)."""
@@ -237,8 +248,14 @@ class ModelRunner:
         scores = apply_masks(scores, masks)   # the grammar's start state
         first, _ = self.pick(scores[:, 0], sampling, self._noise(sampling, next_pos, 1), u)
         lp = token_logprobs(logits[:, :1], first[:, None], [s.params.logprobs for s in seqs])
-        for row, (seq, token) in enumerate(zip(seqs, self.transfers.to_host(first))):
-            seq.append([token], lp[row])
+        checked = processing_at is not None or masks is not None   # else every token is allowed
+        picked = first[:, None] if not checked else torch.stack(
+            [first, no_token_allowed(scores)[:, 0].long()], 1)
+        for row, (seq, (token, *blocked)) in enumerate(zip(seqs, self.transfers.to_host(picked))):
+            if blocked and blocked[0]:
+                seq.finish("error", NO_TOKEN.format(0))
+            else:
+                seq.append([token], lp[row])
 
     # -- one step ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -268,29 +285,33 @@ class ModelRunner:
         uniform = proposal.verify_input is None   # else each row verifies its own count
         with self.stats.timer("verify"):
             if uniform:
-                num_accepted, tokens, lp = self._verify(group, k, rows, coupled, u, noise, inputs.pending,
-                                                        inputs.start, proposal.tokens, proposal.q,
-                                                        proposal.masks)
+                num_accepted, tokens, lp, blocked = self._verify(
+                    group, k, rows, coupled, u, noise, inputs.pending, inputs.start,
+                    proposal.tokens, proposal.q, proposal.masks)
             else:
-                num_accepted, tokens, lp = self._verify_ragged(group, k, rows, coupled, u, noise,
-                                                               proposal.verify_input, inputs.caps,
-                                                               proposal.masks)
+                num_accepted, tokens, lp, blocked = self._verify_ragged(
+                    group, k, rows, coupled, u, noise, proposal.verify_input, inputs.caps,
+                    proposal.masks)
             bins = proposal.confidence_bins
-            # the step's one device-to-host copy
-            host = self.transfers.to_host(torch.cat([num_accepted[:, None], tokens]
-                                                    + ([] if bins is None else [bins]), dim=1))
+            # the step's one device-to-host copy: per row its accepted count, its k + 1 tokens,
+            # whether each of their positions allowed no token (when checked), its drafts' bins
+            host = self.transfers.to_host(torch.cat(
+                [num_accepted[:, None], tokens] + ([] if blocked is None else [blocked.long()])
+                + ([] if bins is None else [bins]), dim=1))
         lengths = [s.num_tokens for s in seqs]
         kept = torch.minimum(num_accepted, inputs.caps)
         verified = [min(c, k) for c in plan.caps]
         cut_dev = (k if uniform else inputs.caps) - kept   # the target's rejected entries per row
-        committed, accepted = self._commit(group, k, host, lp, verified, uniform, cut_dev)
+        committed, accepted = self._commit(group, k, host, lp, verified, uniform, cut_dev,
+                                           checked=blocked is not None)
         self.proposer.commit(state, k, accepted, kept)
         if group.processing is not None:   # the device's own committed tokens: no copy back up
             group.processing.advance(tokens, kept, [m + a + 1 for m, a in zip(lengths, accepted)])
         proposed = None if uniform else verified
         self._count(seqs, k, accepted, committed, proposed)
+        bins_at = k + 2 if blocked is None else 2 * k + 3
         return StepResult(committed, accepted, k,
-                          None if bins is None else [row[k + 2:] for row in host], proposed)
+                          None if bins is None else [row[bins_at:] for row in host], proposed)
 
     def _upload_step_inputs(self, group: Group, plan: Plan) -> "StepInputs":
         """The step's one host-to-device copy: the proposer's sections (a draft model's first
@@ -364,9 +385,10 @@ class ModelRunner:
 
     def _accept(self, group: Group, k: int, rows: RowSampling, coupled: bool, u, noise, logits,
                 draft_tokens, q, masks=None):
-        """The accepted draft counts [B], the step's tokens [B, k+1] and the logprobs asked for,
-        from the target's logits [B, k+1, V] at each row's verified positions (`masks`: the
-        tokens each row's grammar allows there)."""
+        """The accepted draft counts [B], the step's tokens [B, k+1], the logprobs asked for and,
+        where rows are processed or constrained, which positions allowed no token ([B, k+1];
+        else None), from the target's logits [B, k+1, V] at each row's verified positions
+        (`masks`: the tokens each row's grammar allows there)."""
         seqs, processing = group.seqs, group.processing
         # position j's processing and grammar see the drafts before it, as a target-only run would
         scores = logits if processing is None else processing.apply(logits, draft_tokens)
@@ -381,21 +403,31 @@ class ModelRunner:
         else:
             p = probs_from_logits(scores, rows)
             num_accepted, tokens = accept(draft_tokens, q, p, u[:, k:2 * k], u[:, 2 * k])
-        return num_accepted, tokens, token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
+        # only a row's processing or grammar can leave a position without any token
+        blocked = None if processing is None and masks is None else no_token_allowed(scores)
+        return (num_accepted, tokens, token_logprobs(logits, tokens, [s.params.logprobs for s in seqs]),
+                blocked)
 
     def _commit(self, group: Group, k: int, host, lp, verified: list[int], uniform: bool,
-                cut_dev: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+                cut_dev: torch.Tensor, checked: bool = False) -> tuple[list[list[int]], list[int]]:
         """Per row: commit the accepted drafts and the bonus token (stop rules apply, I5), then
         cut the target's cache back to I3 on the host and, from the device's own counts
         on the device: no copy back up.
         `verified`: per row, the drafts it may keep; `uniform`: every row fed k + 1 tokens (else
-        its own verified + 1); `cut_dev`: the target's cut per row, on the device."""
+        its own verified + 1); `cut_dev`: the target's cut per row, on the device; `checked`:
+        host rows carry, after the tokens, whether each position allowed no token: a row
+        commits up to the first such position and ends there with an error."""
         committed, accepted, target_cut = [], [], []
         for row, seq in enumerate(group.seqs):
             a = min(host[row][0], verified[row])
             m = seq.num_tokens
             accepted.append(a)
-            committed.append(seq.append(host[row][1:a + 2], lp[row] and lp[row][:a + 1]))
+            new = host[row][1:a + 2]
+            if checked and any(host[row][k + 2:k + 3 + a]):
+                new = new[:host[row][k + 2:k + 3 + a].index(1)]
+            committed.append(seq.append(new, lp[row] and lp[row][:len(new)]))
+            if len(new) < a + 1 and not seq.finished:   # stopped at a position with no token
+                seq.finish("error", NO_TOKEN.format(seq.num_output_tokens))
             shown = k if uniform else verified[row]
             target_cut.append(shown - a)   # the target holds m + shown, keeps m + a
             seq.num_cached_target = m + a

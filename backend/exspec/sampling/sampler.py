@@ -20,6 +20,7 @@ import torch
 from ..utils.transfer import float_bits, floats_from_bits
 
 COUPLINGS = ("gumbel", "rejection")
+MAX_TOP_K = 2**31 - 1   # past any vocabulary: top_k at or beyond it keeps every token
 
 
 @dataclass
@@ -45,7 +46,7 @@ class RowSampling:
         floats as their bits; None when every row is greedy (nothing to send)."""
         if all(p.greedy for p in params_list):
             return None
-        return ([int(p.greedy) for p in params_list] + [max(p.top_k, 0) for p in params_list]
+        return ([int(p.greedy) for p in params_list] + [_top_k(p) for p in params_list]
                 + list(seeds)
                 + float_bits([p.temperature if not p.greedy else 1.0 for p in params_list])
                 + float_bits([p.top_p for p in params_list]))
@@ -61,7 +62,7 @@ class RowSampling:
         return cls(greedy=columns[0].bool(), temperature=floats[0], top_k=columns[1],
                    top_p=floats[1], seed=columns[2], all_greedy=False,
                    any_top_p=any(p.top_p < 1 for p in sampled),
-                   max_top_k=max(max(p.top_k, 0) for p in sampled))
+                   max_top_k=max(_top_k(p) for p in sampled))
 
     @classmethod
     def from_params(cls, params_list, device, seeds: list[int] | None = None,
@@ -85,11 +86,17 @@ def processed_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     if rows.any_top_p:
         return _top_k_top_p(scaled, rows)
     if rows.max_top_k:
-        return _top_k(scaled, rows)
+        return _keep_top_k(scaled, rows)
     return scaled
 
 
-def _top_k(scaled: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+def _top_k(params) -> int:
+    """A row's top_k as it goes up (0: off). Any k at or past the vocabulary keeps every token,
+    so a k beyond any vocabulary is cut to one that still is (an int64 holds it)."""
+    return min(max(params.top_k, 0), MAX_TOP_K)
+
+
+def _keep_top_k(scaled: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     """Each row's logits below its k-th largest dropped (rows with top-k off keep all)."""
     largest = scaled.topk(min(rows.max_top_k, scaled.shape[-1]), dim=-1).values   # [B, T, kmax]
     k = rows.top_k.clamp(1, largest.shape[-1])

@@ -141,7 +141,11 @@ class Grammars:
         if matcher.is_error():
             raise InvalidRequestError(f"structured_outputs.{constraint.kind} is invalid: "
                                       f"{matcher.get_error()}")
-        return RowGrammar(matcher, self.vocab)
+        row = RowGrammar(matcher, self.vocab)
+        if not row.start_mask().any() or matcher.is_error():   # e.g. the regex [^\s\S]
+            raise InvalidRequestError(f"structured_outputs.{constraint.kind} admits no output: "
+                                      f"no token can start it ({matcher.get_error() or 'empty mask'})")
+        return row
 
 
 class RowGrammar:
@@ -159,6 +163,12 @@ class RowGrammar:
             if self.matcher.is_stopped():
                 return
             self.matcher.consume_token(token)
+
+    def start_mask(self) -> np.ndarray:
+        """The bitmask (int32 words) of the tokens allowed in the matcher's current state."""
+        words = np.zeros(self.words, dtype=np.int32)
+        self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        return words
 
     def valid_prefix(self, drafts: list[int]) -> int:
         """How many of `drafts` the grammar accepts in a row from here."""
@@ -184,8 +194,9 @@ def fill_masks(grammars: list[RowGrammar], drafts: list[list[int]], positions: i
     jobs, consumed, ended = [], [], []
     for r, (grammar, own) in enumerate(zip(grammars, drafts)):
         matcher, own = grammar.matcher, own[:positions - 1]
-        if matcher.is_error():   # unreachable (only masked tokens are committed): no mask,
-            consumed.append(0)   # rather than an all -inf row that sampling cannot normalise
+        if matcher.is_error():   # nothing is allowed: the runner ends the row with an error
+            masks[r] = 0         # (a matcher that masked nothing would let any token through)
+            consumed.append(0)
             ended.append(None)
             continue
         valid = matcher.validate_tokens(own) if own else 0   # the state after own[:valid] is the last

@@ -26,7 +26,8 @@ CONFIDENCE_BINS = 10
 
 def confidence_bins(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per distribution of draft logits ([..., V]): its top probability and that probability's bin."""
-    confidence = logits.float().softmax(-1).amax(-1)
+    # a position where the request's constraints leave no token has no distribution: 0
+    confidence = logits.float().softmax(-1).amax(-1).nan_to_num(0.0)
     return confidence, (confidence * CONFIDENCE_BINS).long().clamp_(max=CONFIDENCE_BINS - 1)
 
 
