@@ -26,14 +26,37 @@ PATH_KEYS = ("target_model", "draft_model", "tokenizer")
 def resolve_model_paths(values: dict, folder: str | os.PathLike) -> dict:
     """model.json's model paths, resolved against model.json's folder: a value starting with
     "." or "/", or naming something that exists there, is a path; anything else (a hub id) is
-    kept as given. The Triton model and exspec-openai read model.json through this one rule."""
-    out = dict(values)
-    for key in PATH_KEYS:
-        value = out.get(key)
-        if isinstance(value, str) and (value.startswith((".", os.sep))
-                                       or os.path.exists(os.path.join(folder, value))):
-            out[key] = os.path.normpath(os.path.join(folder, value))
+    kept as given. vLLM's keys for them (`model`, `speculative_config.model`) resolve alike.
+    The Triton model and exspec-openai read model.json through this one rule."""
+    out = {key: _resolve_path(value, folder) if key in PATH_KEYS + ("model",) else value
+           for key, value in values.items()}
+    spec = out.get("speculative_config")
+    if isinstance(spec, dict) and "model" in spec:
+        out["speculative_config"] = {**spec, "model": _resolve_path(spec["model"], folder)}
     return out
+
+
+def _resolve_path(value, folder):
+    if isinstance(value, str) and (value.startswith((".", os.sep))
+                                   or os.path.exists(os.path.join(folder, value))):
+        return os.path.normpath(os.path.join(folder, value))
+    return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_str(value) -> bool:
+    return isinstance(value, str)
 
 
 @dataclass
@@ -87,6 +110,7 @@ class EngineConfig:
     fault_injection: dict | None = None   # tests only: see faults.py; off unless set here
 
     def __post_init__(self):
+        self._check_types()
         if not self.target_model:
             raise ValueError("target_model is required")
         if self.method not in METHODS:
@@ -159,6 +183,19 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization!r}")
         if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
             raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
+
+    def _check_types(self) -> None:
+        """Each plain field holds its own type (model.json is typed JSON: a 2.0 where an integer
+        belongs would load and then fail every request at its first step)."""
+        wanted = {"int": (_is_int, "an integer"), "bool": (_is_bool, "true or false"),
+                  "float": (_is_number, "a number"), "str": (_is_str, "a string")}
+        for f in dataclasses.fields(self):
+            kind, _, optional = f.type.partition(" | ")
+            value = getattr(self, f.name)
+            if kind in wanted and optional in ("", "None") and not (value is None and optional):
+                check, what = wanted[kind]
+                if not check(value):
+                    raise ValueError(f"{f.name} must be {what}, got {value!r}")
 
     def _check_device_map(self) -> None:
         """A target too big for one GPU: a Hugging Face placement policy, or a map of module

@@ -110,3 +110,29 @@ def test_gpu_memory_utilization_caps_the_kv_budget_at_that_share_of_the_gpu(monk
     assert engine_module._free_memory(device) == 70 * gib                     # free
     assert engine_module._free_memory(device, utilization=0.5) == 30 * gib    # 40 GiB share - 10
     assert engine_module._free_memory(device, utilization=0.1) == -2 * gib    # weights past it
+
+
+def test_vllm_path_keys_resolve_against_model_json_like_exspecs(tmp_path):
+    """`model` and `speculative_config.model` are paths next to model.json as `target_model`
+    and `draft_model` are (else a relative path would resolve against the server's cwd)."""
+    from exspec.config import resolve_model_paths
+    for name in ("target", "draft"):
+        (tmp_path / name).mkdir()
+    values = resolve_model_paths({"model": "./target", "tokenizer": "target", "max_num_seqs": 8,
+                                  "speculative_config": {"model": "draft", "num_speculative_tokens": 3}},
+                                 tmp_path)
+    assert values["model"] == values["tokenizer"] == str(tmp_path / "target")
+    assert values["speculative_config"] == {"model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    assert resolve_model_paths({"model": "org/hub-id"}, tmp_path) == {"model": "org/hub-id"}
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("prompt_lookup_min", 2.0, "prompt_lookup_min must be an integer, got 2.0"),
+    ("max_num_seqs", "8", "max_num_seqs must be an integer"),
+    ("adaptive_k", 1, "adaptive_k must be true or false"),
+    ("tick_timeout_s", "5", "tick_timeout_s must be a number"),
+    ("dtype", None, "dtype must be a string"),
+])
+def test_config_values_of_the_wrong_type_are_refused_at_load(pairs, key, value, words):
+    with pytest.raises(ValueError, match=words):
+        EngineConfig.from_dict({**vllm_json(pairs), key: value})
