@@ -89,3 +89,35 @@ def test_a_missing_frontend_is_named_with_the_flag_that_fixes_it(tmp_path):
         "--model-repository", str(REPO / "model_repository"), "--frontend", str(tmp_path)])
     with pytest.raises(FileNotFoundError, match="--frontend"):
         openai_frontend.frontend_command(args, extra, openai_frontend.Backends(tmp_path, None))
+
+
+def test_the_printed_command_hides_the_restricted_api_key_and_a_failed_start_cleans_up(
+        tmp_path, monkeypatch, capsys):
+    """The command goes to stdout (container logs): the restricted API's key stays out of it;
+    an exec that fails removes the temporary backend folder and says why."""
+    temporary = tmp_path / "exspec-openai-tmp"
+    (temporary / "backends").mkdir(parents=True)
+    monkeypatch.setattr(openai_frontend, "backend_folder",
+                        lambda work_dir, source: openai_frontend.Backends(temporary / "backends", temporary))
+    monkeypatch.setattr(openai_frontend, "find_tritonserver", lambda: None)
+    monkeypatch.setattr(openai_frontend, "stub_environment", lambda dist=None: {})
+
+    def failing_exec(path, argv, env):
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    monkeypatch.setattr(openai_frontend.os, "execve", failing_exec)
+    rc = openai_frontend.main(["--model-repository", str(REPO / "model_repository"),
+                               "--frontend", _frontend(tmp_path), "--",
+                               "--openai-restricted-api", "model-repository", "admin-key", "s3cret-key",
+                               "--http-restricted-api=admin:key=s3cret-too"])
+    out = capsys.readouterr()
+    assert rc == 127 and "could not start the frontend" in out.err
+    assert "s3cret" not in out.out + out.err
+    assert "--openai-restricted-api model-repository admin-key '<redacted>'" in out.out
+    assert not temporary.exists()
+
+
+def test_the_stub_path_gets_no_empty_entry_when_path_is_unset():
+    from exspec.serving.launcher import stub_environment
+    path = stub_environment(base={})["PATH"]
+    assert "" not in path.split(":") and path == str(Path(sys.executable).parent)

@@ -43,7 +43,8 @@ def stub_environment(base: dict | None = None, dist: TritonDist | None = None) -
     its shared libpython first on LD_LIBRARY_PATH, then the libraries tritonserver ships with.
     """
     env = dict(os.environ if base is None else base)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    # no empty entry: one would put the working directory on the stub's PATH
+    env["PATH"] = os.pathsep.join(p for p in [str(Path(sys.executable).parent), env.get("PATH", "")] if p)
     libs = [sysconfig.get_config_var("LIBDIR") or ""]
     if dist is not None and dist.libs is not None:
         libs.append(str(dist.libs))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -140,9 +141,36 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     cmd = frontend_command(args, extra, backends)
     env = stub_environment(dist=find_tritonserver())
-    print("exspec-openai: " + " ".join(cmd), flush=True)
-    os.execve(cmd[0], cmd, env)
-    return 127   # not reached
+    print("exspec-openai: " + shlex.join(redacted(cmd)), flush=True)   # container logs: no keys
+    try:
+        os.execve(cmd[0], cmd, env)
+    except OSError as exc:
+        if backends.temporary:
+            shutil.rmtree(backends.temporary, ignore_errors=True)
+        print(f"exspec-openai: could not start the frontend with {cmd[0]}: {exc}", file=sys.stderr)
+    return 127
+
+
+def redacted(cmd: list[str]) -> list[str]:
+    """The command with the secrets of restricted-API flags hidden: `--openai-restricted-api
+    API HEADER VALUE` keeps its API and header name, and a `key=value` or `--flag=value` loses
+    its value."""
+    out, after = [], None   # after: arguments seen since a restricted flag
+    for arg in cmd:
+        if arg.startswith("--"):
+            name, eq, _ = arg.partition("=")
+            restricted = "restricted" in name
+            after = 0 if restricted and not eq else None
+            out.append(f"{name}=<redacted>" if restricted and eq else arg)
+            continue
+        if after is not None:
+            after += 1
+            if after == 3:
+                arg = "<redacted>"
+            elif "=" in arg:
+                arg = arg.split("=", 1)[0] + "=<redacted>"
+        out.append(arg)
+    return out
 
 
 if __name__ == "__main__":
