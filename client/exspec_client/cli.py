@@ -14,6 +14,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from tritonclient.utils import InferenceServerException
+
 from .client import Client
 from .prompts import load_prompts
 from .types import ExspecError, Result
@@ -110,6 +112,11 @@ def main(argv=None) -> int:
         if args.prompt is not None:
             return one(session, args)
         return many(session, args)
+    except (InferenceServerException, OSError) as exc:   # nothing answers at the address
+        print(f"exspec-client: cannot reach a server at {client.url} over {client.protocol} "
+              f"({str(exc).splitlines()[0]}); is it running? `make serve` listens on "
+              f"127.0.0.1:8001 (gRPC) and 127.0.0.1:8000 (HTTP)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         session.cancel_all()
         print("\nexspec-client: interrupted; request(s) cancelled on the server", file=sys.stderr)

@@ -82,3 +82,17 @@ def test_async_client_matches_the_sync_client(load_server, protocol):
 
     for result in asyncio.run(run()):
         assert result.token_ids == expected, f"{protocol}: {result.token_ids} != {expected}"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_cli_says_when_no_server_answers_instead_of_a_traceback(protocol, capsys):
+    import socket
+
+    from exspec_client.cli import main
+    with socket.socket() as s:   # a loopback port nothing listens on (bound, never listened)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        rc = main(["hi", "--url", f"127.0.0.1:{port}", "--protocol", protocol, "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err
+    assert "cannot reach a server" in err or "failed to connect" in err, err
