@@ -151,17 +151,20 @@ class SendThread:
         if out.finish_reason == "abort" or out.finish_reason == "error":
             self._finish_with_error(stream, *self._final_error(stream, out), out)
             return
+        # counted before its final response leaves: a client that scrapes the metrics once it
+        # has its answer finds the request counted
         if stream.req.stream:
             parts = pieces(out) or [out]
             speculation = speculation_tensors(out)
             for part in parts[:-1]:
                 self._respond(stream, part, final=False, speculation=speculation)
+            self._record_finished(stream, out.finish_reason, out)
             self._respond(stream, parts[-1], final=True, speculation=speculation)
         else:
             stream.collect(out)
+            self._record_finished(stream, out.finish_reason, out)
             self._respond(stream, out, final=True)
         self._streams.pop(stream.request_id, None)
-        self._record_finished(stream, out.finish_reason, out)
 
     def _record_tokens(self, stream: Stream, out: RequestOutput):
         now = time.monotonic()
@@ -210,8 +213,8 @@ class SendThread:
 
     def _finish_with_error(self, stream: Stream, error, outcome: str, out: RequestOutput | None = None):
         self._streams.pop(stream.request_id, None)
+        self._record_finished(stream, outcome, out)   # counted before the answer leaves
         self._send(stream, pb_utils.InferenceResponse(output_tensors=[], error=error), final=True)
-        self._record_finished(stream, outcome, out)
 
     def _record_finished(self, stream: Stream, outcome: str, out: RequestOutput | None):
         now = time.monotonic()
