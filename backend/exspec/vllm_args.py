@@ -36,6 +36,8 @@ NEUTRAL_ONLY = {
 # vLLM's dtype spellings; "auto" keeps exspec's default for the device (float32 on CPU).
 DTYPE_SPELLINGS = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
+VLLM_DEFAULT_MAX_TOKENS = 16   # vLLM's SamplingParams.max_tokens default
+
 SPECULATIVE_KEYS = ("model", "method", "num_speculative_tokens", "draft_tensor_parallel_size",
                     "prompt_lookup_max", "prompt_lookup_min")
 
@@ -50,6 +52,9 @@ def translate(values: dict) -> tuple[dict, list[str]]:
             raise ValueError("model.json sets both 'model' (vLLM's name) and 'target_model'; keep one")
         out["target_model"] = out.pop("model")
         notes.append("model: served as target_model")
+        if "default_max_tokens" not in out:   # vLLM's SamplingParams default, as its backend serves
+            out["default_max_tokens"] = VLLM_DEFAULT_MAX_TOKENS
+            notes.append(f"a request without max_tokens gets vLLM's default, {VLLM_DEFAULT_MAX_TOKENS}")
         if "method" not in out and "speculative_config" not in out:
             out["method"] = "autoregressive"   # vLLM without speculative_config: no speculation
             notes.append("no speculative_config: method autoregressive (the target alone)")

@@ -136,3 +136,12 @@ def test_vllm_path_keys_resolve_against_model_json_like_exspecs(tmp_path):
 def test_config_values_of_the_wrong_type_are_refused_at_load(pairs, key, value, words):
     with pytest.raises(ValueError, match=words):
         EngineConfig.from_dict({**vllm_json(pairs), key: value})
+
+
+def test_a_vllm_style_model_json_gets_vllms_default_max_tokens(pairs):
+    """vLLM's backend answers a request without max_tokens with 16 tokens (vLLM's default);
+    exspec's own model.json keeps its 256, and an explicit default_max_tokens wins."""
+    assert EngineConfig.from_dict(vllm_json(pairs)).default_max_tokens == 16
+    assert EngineConfig.from_dict(vllm_json(pairs, default_max_tokens=40)).default_max_tokens == 40
+    assert EngineConfig.from_dict({"target_model": pairs["llama", "target"],
+                                   "method": "autoregressive"}).default_max_tokens == 256
