@@ -23,6 +23,13 @@ def engine_config(args) -> EngineConfig:
     return EngineConfig.from_dict(values)   # unknown keys: ValueError naming them
 
 
+def vllm_stats_disabled(args) -> bool:
+    """model.json's `disable_log_stats: true` (vLLM's key): as in Triton's vLLM backend, no vllm:
+    metric families then, whatever REPORT_CUSTOM_METRICS says."""
+    path = os.path.join(args["model_repository"], args["model_version"], MODEL_JSON)
+    return _read_model_json(path).get("disable_log_stats") is True
+
+
 def _read_model_json(path: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing: the exspec backend reads its engine "

@@ -22,7 +22,7 @@ import queue
 import triton_python_backend_utils as pb_utils
 
 from exspec.engine.llm_engine import LLMEngine
-from exspec_config import drain_settings, engine_config, parameter
+from exspec_config import drain_settings, engine_config, parameter, vllm_stats_disabled
 from exspec_engine_thread import EngineThread
 from exspec_intake import INPUTS, Intake
 from exspec_lifecycle import FINALIZE_DRAIN_S, Lifecycle, start_orphan_guard
@@ -56,7 +56,7 @@ class TritonPythonModel:
         config = engine_config(args)
         pb_utils.Logger.log_info(f"exspec: loading {config}")
         self.engine = LLMEngine(config)
-        self.metrics = self._metrics(args["model_version"])
+        self.metrics = self._metrics(args)
         self.lifecycle = Lifecycle(*drain_settings(self.model_config), config.tick_timeout_s)
         self.sends = queue.Queue()   # everything the send thread handles
         self.engine_thread = EngineThread(self.engine, self.sends, self.lifecycle)
@@ -70,10 +70,13 @@ class TritonPythonModel:
         start_orphan_guard(self.model_name)
         self._log_ready(config)
 
-    def _metrics(self, version) -> Metrics:
-        # REPORT_CUSTOM_METRICS: the vLLM backend's switch for its vllm: families
-        report_vllm = parameter(self.model_config, "REPORT_CUSTOM_METRICS").lower() == "true"
-        return Metrics(self.model_name, version, self.engine.max_model_len if report_vllm else None)
+    def _metrics(self, args) -> Metrics:
+        # REPORT_CUSTOM_METRICS: the vLLM backend's switch for its vllm: families (which vLLM's
+        # disable_log_stats turns off there too)
+        report_vllm = (parameter(self.model_config, "REPORT_CUSTOM_METRICS").lower() == "true"
+                       and not vllm_stats_disabled(args))
+        return Metrics(self.model_name, args["model_version"],
+                       self.engine.max_model_len if report_vllm else None)
 
     def _log_ready(self, config):
         warm = self.engine.warm_up
