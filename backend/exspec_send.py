@@ -178,6 +178,7 @@ class SendThread:
     def _final_error(self, stream: Stream, out: RequestOutput):
         """The error (and metrics outcome) that ends an aborted or failed request."""
         if stream.cancelled:
+            pb_utils.Logger.log_info(f"exspec: request {stream.request_id} cancelled by its client")
             error, outcome = new_error("request cancelled", "CANCELLED"), "cancelled"
         elif out.finish_reason == "abort":
             why = (f"the server is shutting down and the drain deadline "

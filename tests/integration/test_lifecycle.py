@@ -34,6 +34,8 @@ def test_cancelled_stream_stops_and_frees_the_pool(server):
                  what=f"exspec:kv_cache_tokens{{role={role}}} to return to 0")
     generated = scrape(server, "exspec:generation_tokens_total", model="exspec") - tokens_before
     assert generated < 480, f"the cancelled request ran to the end ({generated} tokens)"
+    wait_for(lambda: "cancelled by its client" in Path(server.log_path).read_text(errors="replace"),
+             what="the cancel to be logged")
     # and the server carries on
     (call,) = grpc_stream(server.urls["grpc"], "exspec", [{"prompt": "hello",
                                                            "sampling": {"max_tokens": 4}}])
