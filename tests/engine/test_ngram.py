@@ -18,7 +18,7 @@ import torch
 from exspec import SamplingParams
 from exspec.models import compiled
 from exspec.demo.tiny import build_tokenizer, llama
-from exspec.spec.ngram import NgramProposer
+from exspec.spec.ngram import NgramIndex, NgramProposer
 from exspec.engine.runner import ModelRunner
 from exspec.engine.adaptive_k import AdaptiveK
 
@@ -77,6 +77,42 @@ def ngram_engine(pairs, target, **overrides):
     return make_engine(pairs, **{**config, **overrides})
 
 
+def scan_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, by rescanning the history: the latest earlier occurrence (one that
+    something follows) of the longest suffix, n from max_n down to min_n."""
+    last = len(tokens)
+    for n in range(min(max_n, last - 1), min_n - 1, -1):
+        for start in range(last - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[last - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("min_n, max_n", [(1, 1), (2, 4), (1, 5)])
+def test_the_incremental_index_proposes_what_a_rescan_proposes(min_n, max_n):
+    """A row's index is extended as the row grows (by 1 to 6 tokens a step); at every length
+    its proposal equals the rescan's, on histories that repeat (a small vocabulary)."""
+    rng = random.Random(min_n * 10 + max_n)
+    for trial in range(20):
+        tokens, index = [], NgramIndex(min_n, max_n)
+        while len(tokens) < 300:
+            tokens += [rng.randrange(4 + trial % 5) for _ in range(rng.randint(1, 6))]
+            k = rng.randint(1, 5)
+            assert index.lookup(tokens, k) == scan_lookup(tokens, k, min_n, max_n), (trial, len(tokens))
+
+
+def test_a_rows_index_lives_until_its_request_ends(pairs, cyclic):
+    target, successor = cyclic
+    engine = ngram_engine(pairs, target)
+    proposer = engine.runner.proposer
+    engine.add_request("r", walk_prompts(successor, 1)[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step(), engine.step()
+    assert len(proposer.indexes) == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert len(proposer.indexes) == 0
+
+
 def test_proposer_proposes_what_followed_the_latest_longest_match():
     propose = NgramProposer(min_n=2, max_n=3).lookup
     assert propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]   # the latest of two 3-gram matches
@@ -128,15 +164,15 @@ def test_each_row_feeds_the_target_only_its_own_proposal(pairs, cyclic, method):
     target, successor = cyclic
     engine = ngram_engine(pairs, target, method=method, max_batch_size=4)
     fed, steps = [], []   # real tokens per target step forward; per step, each row's proposal
-    forward, propose, step = engine.runner.forward, engine.runner.proposer.lookup, engine.runner.step
+    forward, propose, step = engine.runner.forward, engine.runner.proposer._propose, engine.runner.step
 
     def counting_forward(model, kv, ids, pos, valid, counts, keep, decode=True):
         if decode:
             fed.append(sum(counts))
         return forward(model, kv, ids, pos, valid, counts, keep, decode=decode)
 
-    def recording_propose(tokens, k):
-        steps[-1].append(propose(tokens, k))
+    def recording_propose(row, k):
+        steps[-1].append(propose(row, k))
         return steps[-1][-1]
 
     def recording_step(group, k, stop=None):
@@ -144,7 +180,7 @@ def test_each_row_feeds_the_target_only_its_own_proposal(pairs, cyclic, method):
         return step(group, k, stop)
 
     engine.runner.forward = counting_forward
-    engine.runner.proposer.lookup, engine.runner.step = recording_propose, recording_step
+    engine.runner.proposer._propose, engine.runner.step = recording_propose, recording_step
     # two rows that follow the cycles (they propose) and two random ones (they seldom match)
     prompts = walk_prompts(successor, 2) + make_prompts(320, 0, seed=3, count=8)[-2:]
     engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))

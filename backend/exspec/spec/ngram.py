@@ -4,7 +4,8 @@ A row's proposal is what followed the most recent earlier occurrence of its last
 its own prompt + output, n from prompt_lookup_max down to prompt_lookup_min, up to k tokens.
 No model, no KV cache, no forward: it pays where outputs repeat their input (edits, answers from
 a passage) and proposes nothing elsewhere. A proposal is only a proposal: the target verifies
-it as it verifies a draft model's (design: "Proposers").
+it as it verifies a draft model's (design: "Proposers"). Each row keeps an index of its n-grams,
+extended as it grows, so a lookup's cost does not grow with the context (NgramIndex).
 
 A host proposer: its proposals are known when the step is planned, so each row proposes its own
 number of tokens, a constrained row only what its grammar accepts, and the verification input
@@ -12,7 +13,41 @@ number of tokens, a constrained row only what its grammar accepts, and the verif
 """
 from __future__ import annotations
 
-from .proposer import Plan, Proposal, Proposer, Runner, StepState
+import weakref
+
+from .proposer import Plan, Proposal, Proposer, Row, Runner, StepState
+
+
+class NgramIndex:
+    """One row's n-grams, for n in [min_n, max_n], each mapped to the start of its latest
+    occurrence that something follows (it ends before the row's last token). Extended as the
+    row grows, a token at a time, so a lookup costs O(max_n) whatever the context's length (a
+    rescan of the whole history costs O(length x n) per row-step)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.starts: dict[tuple[int, ...], int] = {}   # an n-gram -> its latest start
+        self.covered = 0   # occurrences ending before this position are indexed
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index the occurrences that end before the last token (tokens only ever grow)."""
+        for end in range(self.covered, len(tokens) - 1):
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                self.starts[tuple(tokens[end - n + 1:end + 1])] = end - n + 1
+        self.covered = max(self.covered, len(tokens) - 1)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier match of the longest suffix of
+        `tokens` (n from max_n down to min_n); [] when none matches or k is 0."""
+        if k <= 0:
+            return []
+        self.extend(tokens)
+        last = len(tokens)
+        for n in range(min(self.max_n, last - 1), self.min_n - 1, -1):
+            start = self.starts.get(tuple(tokens[last - n:]))
+            if start is not None:
+                return tokens[start + n:start + n + k]
+        return []
 
 
 class NgramProposer(Proposer):
@@ -22,26 +57,27 @@ class NgramProposer(Proposer):
     def __init__(self, min_n: int, max_n: int):
         self.min_n = min_n
         self.max_n = max_n
+        # each row's index, while its sequence lives (freed at its request's end, or with it)
+        self.indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier match of the longest suffix of
-        `tokens` (n from max_n down to min_n); [] when none matches or k is 0."""
-        if k <= 0:
-            return []
-        last = len(tokens)
-        for n in range(min(self.max_n, last - 1), self.min_n - 1, -1):
-            suffix = tokens[last - n:]
-            # a match must end before the suffix does, so that something follows it
-            for start in range(last - n - 1, -1, -1):
-                if tokens[start + n - 1] == suffix[-1] and tokens[start:start + n] == suffix:
-                    return tokens[start + n:start + n + k]
-        return []
+        """`NgramIndex.lookup` on a history seen once (the rows' own indexes persist)."""
+        return NgramIndex(self.min_n, self.max_n).lookup(tokens, k)
+
+    def _propose(self, row: Row, k: int) -> list[int]:
+        index = self.indexes.get(row)
+        if index is None:
+            index = self.indexes[row] = NgramIndex(self.min_n, self.max_n)
+        return index.lookup(row.tokens, k)
+
+    def request_done(self, row: Row, reason: str) -> None:
+        self.indexes.pop(row, None)
 
     def plan(self, runner: Runner, seqs, k: int) -> Plan:
         if k == 0:
             return Plan(0, [0] * len(seqs))
         with runner.stats.timer("draft"):
-            proposals = [self.lookup(s.tokens, s.drafts_at(k)) for s in seqs]
+            proposals = [self._propose(s, s.drafts_at(k)) for s in seqs]
             # a constrained row proposes only what its grammar accepts
             proposals = [p if s.grammar is None else p[:s.grammar.valid_prefix(p)]
                          for s, p in zip(seqs, proposals)]
