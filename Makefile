@@ -9,6 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 # torch first, pinned, in its own pip call: that takes the CPU wheel from this machine's disk
 # instead of letting a dependency pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
+	@echo "== .venv: torch 2.13.0 (the CPU wheel), then exspec and its pinned dependencies (a few minutes, quiet)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[serve,test,docs,real]'
