@@ -121,3 +121,16 @@ def test_host_flag_refuses_what_is_not_an_ipv4_address(capsys):
     with pytest.raises(SystemExit):
         launcher.parse_args(["--model-repository", "models", "--host", "localhost"])
     assert "'localhost' is not an IPv4 address" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="a machine with an NVIDIA GPU")
+def test_on_a_machine_without_a_gpu_triton_logs_no_pinned_nvml_or_dcgm_errors(tmp_path):
+    """Triton's pinned memory pool and GPU metrics are turned off where there is no GPU, so its
+    log carries none of their alarming errors, and exspec-serve says the one left is harmless."""
+    with exspec_serve(tmp_path) as urls:
+        log = Path(urls["log"]).read_text()
+    for noise in ("Unable to allocate pinned system memory", "Failed to initialize NVML",
+                  "DCGM unable to start"):
+        assert noise not in log, f"{noise!r} in the log:\n{log[-3000:]}"
+    code, out = OUTPUT
+    assert "exspec-serve: ready" in out and "CudaDriverHelper" in out and "harmless" in out, out

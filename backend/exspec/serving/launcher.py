@@ -35,6 +35,18 @@ from .install import TritonDist, find_tritonserver, install
 from .ports import PortReservation, ports_in_use, reserve_ports
 
 
+# On a machine without an NVIDIA GPU, Triton would still try its pinned memory pool and GPU
+# metrics and log "Unable to allocate pinned system memory", "CudaDriverHelper has not been
+# initialized", "Failed to initialize NVML" and "DCGM unable to start": harmless, but alarming.
+CPU_ONLY_FLAGS = ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0",
+                  "--allow-gpu-metrics=false"]
+
+
+def has_nvidia_gpu() -> bool:
+    """Whether an NVIDIA driver exposes a device here (its control node exists)."""
+    return Path("/dev/nvidiactl").exists()
+
+
 def stub_environment(base: dict | None = None, dist: TritonDist | None = None) -> dict:
     """Environment in which the Python backend stub runs this interpreter (design: "Running Triton").
 
@@ -193,6 +205,8 @@ class TritonServer:
                     f"--metrics-address={self.host}"]
         if dist.caches.is_dir():
             cmd.append(f"--cache-directory={dist.caches}")
+        if not has_nvidia_gpu():   # no pinned pool or GPU metrics to set up: no CUDA/NVML/DCGM errors
+            cmd += CPU_ONLY_FLAGS
         cmd += self.extra_args
         # Own process group, so a Ctrl-C in the terminal reaches the launcher only and the
         # launcher decides how the server stops.
@@ -390,8 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     urls = server.urls
-    print(f"exspec-serve: ready\n  HTTP    {urls['http']}\n  gRPC    {urls['grpc']}\n"
+    print(f"\nexspec-serve: ready\n  HTTP    {urls['http']}\n  gRPC    {urls['grpc']}\n"
           f"  metrics {urls['metrics'] or 'off'}\n  log     {server.log_path}", flush=True)
+    if not has_nvidia_gpu():
+        print("  (no NVIDIA GPU here: the pinned pool and GPU metrics are off, and Triton's one "
+              "\"CudaDriverHelper has not been initialized\" line is harmless)", flush=True)
     while not stopping.is_set() and server.is_running():
         stopping.wait(0.5)
     died = not server.is_running()
