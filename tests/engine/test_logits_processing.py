@@ -169,3 +169,20 @@ def test_token_ids_outside_the_vocabulary_are_refused(engines):
         engine.add_request("a", [1, 2], SamplingParams(logit_bias={5000: 1.0}))
     with pytest.raises(InvalidRequestError, match="allowed_token_ids contains out-of-vocab token id!"):
         engine.add_request("b", [1, 2], SamplingParams(allowed_token_ids=[1, 5000]))
+
+
+def test_a_bad_words_prefix_is_matched_on_generated_tokens_only(pairs, engines):
+    """vLLM matches a multi-token bad word's prefix against the output alone: a prompt ending
+    with the prefix does not ban the word's last token as the first output token."""
+    engine = engines("llama", "exspec", 4)
+    tokenizer = engine.tokenizer
+    for prompt in make_prompts(320, pairs["llama", "eos"], seed=21, count=16):
+        (first,) = engine.generate([prompt], SamplingParams(max_tokens=1))[0].token_ids
+        word = tokenizer.decode([prompt[-1], first])
+        ids = bad_words_token_ids(tokenizer, [word])
+        if word.strip() and ids and ids[0] == [prompt[-1], first]:
+            break
+    else:
+        raise AssertionError("no prompt whose last token and first output make a two-token word")
+    banned = engine.generate([prompt], SamplingParams(max_tokens=1, bad_words=[word]))[0]
+    assert banned.token_ids == [first], "the prompt's last token matched the word's prefix"

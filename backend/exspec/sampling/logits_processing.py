@@ -82,7 +82,9 @@ class RowProcessing:
         words = [(row, ids) for row, s in enumerate(seqs) for ids in s.bad_words_ids]
         if words:
             span = max(len(ids) for _, ids in words) - 1
-            tails = [([NO_TOKEN] * span + s.tokens)[len(s.tokens):] if span else [] for s in seqs]
+            # a word's prefix is matched on generated tokens only, as vLLM matches it: a prompt
+            # that ends with "New" does not ban " York" as the first output token
+            tails = [([NO_TOKEN] * span + s.output_ids)[len(s.output_ids):] if span else [] for s in seqs]
             prefixes = [[ANY_TOKEN] * (span - len(ids) + 1) + ids[:-1] for _, ids in words]
             staged["bad_words"] = (upload.add([t for tail in tails for t in tail], len(seqs), span),
                                    upload.add([row for row, _ in words] + [ids[-1] for _, ids in words],
