@@ -4,19 +4,20 @@ With --real, the real pair (SmolLM2-135M-Instruct and the draft trained for it,
 exspec.models.real_pair) on chat questions through its own chat template. Otherwise the toy pair, a
 tiny code model for fast tests: the shipped demo pair (model_repository/exspec/1/demo) when
 present, else a small seeded pair built locally. Prints which pair it runs, both outputs,
-whether they match token for token, the acceptance rate, tokens/s of each and the speed-up.
+whether they match token for token, the acceptance rate (accepted / drafted tokens), tokens/s
+of each and the speed-up, the two engines timed tick by tick in turn over the same prompts.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from .. import EngineConfig, LLMEngine, SamplingParams
+from ..bench.methods import run_interleaved, stats_delta
 
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
 FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in range(10):\n"]
@@ -51,20 +52,39 @@ def _tokenizer_dir(pair: Path) -> Path:
     return pair / "tokenizer" if (pair / "tokenizer").exists() else pair / "target"
 
 
-def _run(pair: Path, method: str, prompts, params, k: int, batch: int):
+def _engine(pair: Path, method: str, k: int, batch: int) -> LLMEngine:
     engine = LLMEngine(EngineConfig(target_model=str(pair / "target"), draft_model=str(pair / "draft"),
                                     tokenizer=str(_tokenizer_dir(pair)), method=method,
                                     num_speculative_tokens=k, max_batch_size=batch))
-    engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
-    start = time.perf_counter()
-    before = engine.stats()
-    outs = engine.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    after = engine.stats()
-    drafted = after["draft_tokens"] - before["draft_tokens"]
-    accepted = after["accepted_tokens"] - before["accepted_tokens"]
-    tokens = sum(len(o.token_ids) for o in outs)
-    return outs, tokens / seconds, (accepted / drafted if drafted else None)
+    engine.generate(["Hello"], SamplingParams(max_tokens=4))  # warm-up: one-off costs untimed
+    return engine
+
+
+class _Workload:
+    """One engine's generate of the prompts, a tick at a time: `run_interleaved` times two of
+    them tick by tick (A B A B), so both meet the same moments of the host, as the demo's served
+    part alternates its requests."""
+    device = "cpu"
+
+    def __init__(self, engine: LLMEngine, params: SamplingParams):
+        self.engine, self.params = engine, params
+
+    def ticks(self, prompts, max_tokens):
+        before = self.engine.stats()
+        outs = yield from self.engine.generate_ticks(prompts, self.params)
+        return outs, stats_delta(before, self.engine.stats())
+
+
+def _side_by_side(engines: list[LLMEngine], prompts, params: SamplingParams):
+    """Per engine: its outputs, tokens/s over its own ticks, and accepted / drafted tokens."""
+    runs = run_interleaved([_Workload(e, params) for e in engines], prompts, params.max_tokens, "cpu")
+    results = []
+    for run in runs:
+        tokens = sum(len(o.token_ids) for o in run.outputs)
+        drafted = run.stats["draft_tokens"]
+        results.append((run.outputs, tokens / run.seconds,
+                        run.stats["accepted_tokens"] / drafted if drafted else None))
+    return results
 
 
 def main(argv=None) -> int:
@@ -84,8 +104,9 @@ def main(argv=None) -> int:
     print(f"{REAL_PAIR if args.real else 'given pair' if args.pair else TOY_PAIR} ({pair})")
     prompts = prompts[:args.num_prompts]
     params = SamplingParams(max_tokens=args.max_tokens)
-    spec, spec_tps, acceptance = _run(pair, args.method, prompts, params, args.k, args.batch_size)
-    base, base_tps, _ = _run(pair, "autoregressive", prompts, params, 0, args.batch_size)
+    engines = [_engine(pair, args.method, args.k, args.batch_size),
+               _engine(pair, "autoregressive", 0, args.batch_size)]
+    (spec, spec_tps, acceptance), (base, base_tps, _) = _side_by_side(engines, prompts, params)
     same = 0
     for i, (s, b) in enumerate(zip(spec, base)):
         same += s.token_ids == b.token_ids
