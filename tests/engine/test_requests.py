@@ -218,3 +218,21 @@ def test_abort_between_the_halves_of_a_tick_emits_no_more_tokens(pairs, method):
     while engine.has_unfinished():
         for o in engine.step():
             assert o.request_id != "old", "output for old after its final one"
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_a_rows_own_speculation_cap_is_what_its_draft_counts_show(pairs, method):
+    """A request capped at num_speculative_tokens 2 in a group stepped at k = 5 can keep 2 drafts
+    a step: its num_draft_tokens counts those, so with a twin draft (every draft kept) its
+    accepted count equals its drafted count, as the uncapped row's does."""
+    engine = make_engine(pairs, "llama", "twin", method=method, num_speculative_tokens=5,
+                         max_batch_size=2)
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=8, count=2)
+    capped, free = engine.generate(prompts, [
+        SamplingParams(max_tokens=24, ignore_eos=True, num_speculative_tokens=2),
+        SamplingParams(max_tokens=24, ignore_eos=True)])
+    for out in (capped, free):
+        assert 0 < out.num_draft_tokens == out.num_accepted_draft_tokens, out
+    assert capped.num_draft_tokens < free.num_draft_tokens
+    stats = engine.stats()
+    assert stats["acceptance_rate"] == 1.0, stats

@@ -308,7 +308,7 @@ class ModelRunner:
         if group.processing is not None:   # the device's own committed tokens: no copy back up
             group.processing.advance(tokens, kept, [m + a + 1 for m, a in zip(lengths, accepted)])
         proposed = None if uniform else verified
-        self._count(seqs, k, accepted, committed, proposed)
+        self._count(seqs, k, accepted, committed, verified)
         bins_at = k + 2 if blocked is None else 2 * k + 3
         return StepResult(committed, accepted, k,
                           None if bins is None else [row[bins_at:] for row in host], proposed)
@@ -428,11 +428,11 @@ class ModelRunner:
             committed.append(seq.append(new, lp[row] and lp[row][:len(new)]))
             if len(new) < a + 1 and not seq.finished:   # stopped at a position with no token
                 seq.finish("error", NO_TOKEN.format(seq.num_output_tokens))
-            shown = k if uniform else verified[row]
-            target_cut.append(shown - a)   # the target holds m + shown, keeps m + a
+            fed = k if uniform else verified[row]
+            target_cut.append(fed - a)   # the target holds m + fed, keeps m + a
             seq.num_cached_target = m + a
-            if shown > 0:
-                seq.observe_acceptance(a, shown)
+            if verified[row] > 0:   # the drafts it could keep (its own cap, not the group's k)
+                seq.observe_acceptance(a, verified[row])
         group.target_kv.drop_tail(target_cut, cut_dev)
         return committed, accepted
 
@@ -453,7 +453,7 @@ class ModelRunner:
         q = probs_from_logits(logits[:, None], rows)[:, 0]
         return sample(q, u), q
 
-    def _count(self, seqs, k, accepted, committed, proposed: list[int] | None = None) -> None:
+    def _count(self, seqs, k, accepted, committed, verified: list[int]) -> None:
         s = self.stats
         s.add("steps")
         s.add_step(len(seqs), k)
@@ -462,5 +462,5 @@ class ModelRunner:
         if k == 0:
             s.add("plain_steps")
         else:
-            s.add("draft_tokens", k * len(seqs) if proposed is None else sum(proposed))
+            s.add("draft_tokens", sum(verified))
             s.add("accepted_tokens", sum(accepted))
