@@ -11,7 +11,7 @@ import pytest
 
 from exspec import InvalidRequestError, SamplingParams
 
-from enginekit import assert_equivalent, make_engine, make_prompts
+from enginekit import assert_equivalent, make_engine, make_prompts, run_schedule
 
 HUGE = 1e39   # past float32's range
 
@@ -110,3 +110,39 @@ def test_generate_refuses_prompts_and_params_of_different_lengths(pairs):
         engine.generate([[5, 6], [7, 8]], [SamplingParams(max_tokens=2)])
     with pytest.raises(ValueError, match="lengths"):
         engine.generate([[5, 6]], [SamplingParams(max_tokens=2)] * 2)
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_a_row_left_without_tokens_mid_flight_leaves_arriving_and_running_rows_exact(
+        pairs, reference, seeded_reference, method):
+    """The hard case: rows arrive tick by tick into running groups (EXSPEC merges them), the
+    hostile one joins mid-flight and ends with its error a few tokens in, one row is aborted;
+    every other row equals its target-only output (greedy and seeded)."""
+    eos = pairs["llama", "eos"]
+    prompts = make_prompts(320, eos, seed=9, count=5)
+    ids = ["a", "b", "hostile", "c", "d"]
+    params = {"a": SamplingParams(max_tokens=20), "b": SamplingParams(max_tokens=20, temperature=0.9, seed=5),
+              "hostile": ended_grammar(), "c": SamplingParams(max_tokens=20),
+              "d": SamplingParams(max_tokens=20, temperature=0.7, seed=8)}
+    arrivals = {0: [("a", prompts[0])], 1: [("b", prompts[1])], 3: [("hostile", prompts[2])],
+                4: [("c", prompts[3])], 6: [("d", prompts[4])]}
+    engine = make_engine(pairs, method=method, adaptive_k=True, max_batch_size=4)
+    outputs, finished, _ = run_schedule(engine, arrivals, {9: ["c"]}, params)
+    tokens = {rid: [t for o in outputs[rid] for t in o.new_token_ids] for rid in ids}
+    alone = make_engine(pairs, method="autoregressive", draft_model=None).generate(
+        [prompts[2]], [params["hostile"]])[0]
+    assert finished["hostile"].finish_reason == "error" and "no token is allowed" in finished["hostile"].error
+    assert tokens["hostile"] == alone.token_ids and alone.finish_reason == "error"
+    target = pairs["llama", "target"]
+    for rid, prompt in zip(ids, prompts):
+        if rid == "hostile":
+            continue
+        out = finished[rid]
+        assert out.error is None, (rid, out.error)
+        complete = out.finish_reason != "abort"
+        if params[rid].greedy:
+            expected = reference(target, prompt, 20)
+        else:
+            expected, _ = seeded_reference(target, prompt, params[rid])
+        assert tokens[rid] == (expected if complete else expected[:len(tokens[rid])]), rid
+    assert finished["c"].finish_reason in ("abort", "length", "stop")
