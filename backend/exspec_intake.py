@@ -11,13 +11,15 @@ import triton_python_backend_utils as pb_utils
 
 from exspec import EngineBusyError, InvalidRequestError
 from exspec_messages import Register, Reject
-from exspec_request import ERROR_CODE_TAG_PARAMETER, FLAG_INPUTS, ParsedRequest, parse_request
+from exspec_request import (ERROR_CODE_TAG_PARAMETER, FLAG_INPUTS, ParsedRequest, parse_request,
+                            render_chat)
 from exspec_responses import send_error, triton_error
 from exspec_stream import Stream
 
 INPUTS = [
     {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
+    {"name": "messages", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     *({"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for name in FLAG_INPUTS),
 ]
@@ -62,6 +64,8 @@ class Intake:
         if self.lifecycle.dead:
             raise EngineBusyError(self.lifecycle.dead)
         parsed = parse_request(_inputs(request), parameters, self.engine.config.max_request_bytes)
+        if parsed.messages is not None:
+            parsed.prompt = render_chat(self.engine.tokenizer, parsed.messages)
         parsed.params.text_per_token = parsed.stream and self.per_token
         return parsed
 

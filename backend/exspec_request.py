@@ -70,7 +70,7 @@ _INT_RE = re.compile(r"^[+-]?\d+$")
 
 @dataclass
 class ParsedRequest:
-    prompt: str | list[int]
+    prompt: str | list[int] | None   # None until `messages` are rendered (render_chat)
     params: SamplingParams
     stream: bool = False
     exclude_input_in_output: bool | None = None   # None: absent
@@ -80,6 +80,7 @@ class ParsedRequest:
     return_logprobs: bool = False
     return_cumulative_logprob: bool = False
     logprobs: int | None = None    # the request's `logprobs` (top N); None: the output is null
+    messages: list[dict] | None = None   # a chat, rendered by the model's chat template
 
     @property
     def prepend_prompt(self) -> bool:
@@ -98,7 +99,11 @@ def parse_request(inputs: dict, parameters: str | dict | None,
             raise InvalidRequestError(f"request is {size} bytes; the limit is {max_request_bytes} "
                                       "(max_request_bytes in model.json)")
     flags = {name: _flag_input(inputs, name) for name in FLAG_INPUTS}
-    prompt = _prompt(inputs)
+    messages = _messages(inputs.get("messages"))
+    if messages is not None and (inputs.get("text_input") is not None
+                                 or inputs.get("input_ids") is not None):
+        raise InvalidRequestError("give messages (a chat) or text_input or input_ids, not two")
+    prompt = None if messages is not None else _prompt(inputs)
     sampling = _sampling_json(inputs.get("sampling_parameters"))
     for key, value in _request_parameters(parameters).items():
         if key in sampling and not _same_value(key, sampling[key], value):
@@ -124,11 +129,51 @@ def parse_request(inputs: dict, parameters: str | dict | None,
 
     stream = bool(flags.pop("stream"))
     exclude = flags.pop("exclude_input_in_output")
+    if messages is not None and exclude is None:
+        exclude = True   # a chat's answer is the assistant's turn, not the rendered template
     if stream and exclude is False:   # the vLLM backend's condition and words
         raise InvalidRequestError(STREAM_WITH_PROMPT_ERROR)
     return ParsedRequest(prompt=prompt, params=params, stream=stream,
-                         exclude_input_in_output=exclude, logprobs=logprobs,
+                         exclude_input_in_output=exclude, logprobs=logprobs, messages=messages,
                          **{name: bool(value) for name, value in flags.items()})
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """A chat through the model's own chat template, ready for the assistant's turn (the
+    template's text; the engine tokenizes it without adding special tokens again)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("messages: this model's tokenizer has no chat template; send "
+                                  "the prompt as text_input instead")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:   # the template's own checks (roles alternating, ...) raise here
+        raise InvalidRequestError(f"messages: the chat template refused them: {exc}") from None
+
+
+def _messages(value) -> list[dict] | None:
+    """The `messages` input: one string holding a JSON list of {"role", "content"} objects
+    (OpenAI's chat shape, text content only)."""
+    if value is None:
+        return None
+    flat = np.asarray(value, dtype=object).reshape(-1)
+    if flat.size != 1:
+        raise InvalidRequestError(f"messages must hold exactly one string (a JSON list), got "
+                                  f"{flat.size}")
+    raw = flat[0].decode("utf-8", errors="replace") if isinstance(flat[0], bytes) else flat[0]
+    example = '[{"role": "user", "content": "Hi"}]'
+    try:
+        messages = json.loads(raw)
+    except (TypeError, json.JSONDecodeError):
+        raise InvalidRequestError(f"messages must be a JSON list as text, e.g. {example}; got "
+                                  f"{str(raw)[:100]!r}") from None
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError(f"messages must be a non-empty JSON list, e.g. {example}")
+    for i, message in enumerate(messages):
+        if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)):
+            raise InvalidRequestError(f"messages[{i}] must be an object with string role and "
+                                      f"content, e.g. {example}; got {str(message)[:100]!r}")
+    return messages
 
 
 def _structured(values: dict) -> None:

@@ -2,6 +2,8 @@
 speculation statistics) in both directions, for gRPC tensors and HTTP generate JSON."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from .types import Delta
@@ -38,10 +40,11 @@ def infer_inputs(prompt, sampling: str, stream: bool, module=None):
         t.set_data_from_numpy(array)
         return t
 
-    if isinstance(prompt, str):
-        inputs = [tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")]
+    name, value = prompt_input(prompt)
+    if name == "input_ids":
+        inputs = [tensor(name, np.asarray(value, dtype=np.int64), "INT64")]
     else:
-        inputs = [tensor("input_ids", np.asarray(prompt, dtype=np.int64), "INT64")]
+        inputs = [tensor(name, np.array([value.encode("utf-8")], dtype=np.object_), "BYTES")]
     inputs.append(tensor("sampling_parameters", np.array([sampling.encode()], dtype=np.object_),
                          "BYTES"))
     flags = {"stream": stream, **FLAGS, **({} if stream else {"exclude_input_in_output": True})}
@@ -49,8 +52,21 @@ def infer_inputs(prompt, sampling: str, stream: bool, module=None):
     return inputs
 
 
+def prompt_input(prompt) -> tuple[str, str | list[int]]:
+    """The input a prompt travels in: text_input (a string), input_ids (token ids) or messages
+    (a chat: [{"role": ..., "content": ...}], as JSON text; the server applies the model's chat
+    template)."""
+    if isinstance(prompt, str):
+        return "text_input", prompt
+    prompt = list(prompt)
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        return "messages", json.dumps(prompt)
+    return "input_ids", [int(t) for t in prompt]
+
+
 def http_body(prompt, sampling: str, stream: bool) -> dict:
-    body = {"text_input": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
+    name, value = prompt_input(prompt)
+    body = {name: value}
     body.update(sampling_parameters=sampling, stream=stream, **FLAGS)
     if not stream:
         body["exclude_input_in_output"] = True

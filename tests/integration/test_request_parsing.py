@@ -3,12 +3,16 @@ parse like JSON values, and every problem is an InvalidRequestError naming it.""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from exspec import InvalidRequestError
 from exspec_request import parse_request
+
+DEMO_TOKENIZER = Path(__file__).resolve().parents[2] / "model_repository" / "exspec" / "1" / "demo" / "tokenizer"
 
 
 def _text(value="hi"):
@@ -193,3 +197,35 @@ def test_structured_outputs_spellings(raw):
 def test_bad_structured_outputs_name_the_problem(raw, needle):
     with pytest.raises(InvalidRequestError, match=needle):
         parse(raw)
+
+
+def test_messages_parse_and_render_through_the_chat_template():
+    """`messages` (JSON text) is a chat: rendered by the tokenizer's own template, the rendered
+    prompt left out of a non-streamed answer unless asked for; a tokenizer without a template
+    is refused naming the fix."""
+    from transformers import AutoTokenizer
+
+    from exspec_request import render_chat
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    parsed = parse(text_input=None, messages=_text(json.dumps(chat)))
+    assert parsed.prompt is None and parsed.messages == chat and not parsed.prepend_prompt
+    assert parse(text_input=None, messages=_text(json.dumps(chat)),
+                 exclude_input_in_output=np.array([False])).prepend_prompt
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+    assert render_chat(tokenizer, chat) == tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=False)
+    tokenizer.chat_template = None
+    with pytest.raises(InvalidRequestError, match="no chat template; send the prompt as text_input"):
+        render_chat(tokenizer, chat)
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ("hello", "messages must be a JSON list as text"),
+    ('{"role": "user", "content": "hi"}', "non-empty JSON list"),
+    ('[{"role": "user", "content": 3}]', "messages[0] must be an object with string role and content"),
+])
+def test_malformed_messages_are_named(raw, needle):
+    with pytest.raises(InvalidRequestError, match=re.escape(needle)):
+        parse(text_input=None, messages=_text(raw))
+    with pytest.raises(InvalidRequestError, match="not two"):
+        parse(messages=_text('[{"role": "user", "content": "hi"}]'))
