@@ -48,6 +48,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO / "client"))   # a checkout works without installing the client
 
 from exspec_client import Client  # noqa: E402
+from exspec_client.types import DEFAULT_MODEL  # noqa: E402
 from exspec_client.prompts import load_prompts  # noqa: E402
 
 DEMO_PROMPTS = REPO / "model_repository" / "exspec" / "1" / "demo" / "prompts.jsonl"
@@ -67,7 +68,7 @@ def _options(parser):
         help="every request generates exactly --max-tokens")
     add("--num-speculative-tokens", env_var="EXSPEC_NUM_SPECULATIVE_TOKENS", type=int,
         default=None, help="per-request cap on k (0: no speculation)")
-    add("--model", env_var="EXSPEC_MODEL", default="exspec")
+    add("--model", env_var="EXSPEC_MODEL", default=DEFAULT_MODEL)
     add("--grpc-url", env_var="EXSPEC_GRPC_URL", default=None,
         help="gRPC host:port (default: --host's port + 1)")
     add("--requests-per-user", env_var="EXSPEC_REQUESTS_PER_USER", type=int, default=0)

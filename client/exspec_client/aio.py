@@ -17,7 +17,7 @@ import uuid
 
 from . import wire
 from .client import split_url
-from .types import Clock, Delta, ExspecError, ExspecTimeout, Result, sampling_json
+from .types import DEFAULT_MODEL, Clock, Delta, ExspecError, ExspecTimeout, Result, sampling_json
 
 
 class AsyncGeneration:
@@ -174,7 +174,7 @@ class _AsyncHttp(AsyncGeneration):
 
 class AsyncClient:
     def __init__(self, url: str | None = None, protocol: str | None = None,
-                 model: str = "exspec", timeout_s: float | None = None):
+                 model: str = DEFAULT_MODEL, timeout_s: float | None = None):
         self.protocol, self.url = split_url(url, protocol)
         self.model = model
         self.timeout_s = timeout_s

@@ -1,8 +1,8 @@
 """exspec-client: one prompt streamed to the terminal, or a file of prompts with a concurrency
 limit. Ctrl-C cancels the request(s) on the server.
 
-    exspec-client "def fib(n):" --max-tokens 64
-    exspec-client "def fib(n):" --protocol http --url http://127.0.0.1:8000 --json
+    exspec-client "What is the capital of France?" --chat --max-tokens 64
+    exspec-client "def fib(n):" --model exspec --protocol http --url http://127.0.0.1:8000 --json
     exspec-client --prompts question.jsonl --concurrency 4 --max-tokens 128
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tritonclient.utils import InferenceServerException
 
 from .client import Client
 from .prompts import load_prompts
-from .types import ExspecError, Result
+from .types import DEFAULT_MODEL, ExspecError, Result
 
 
 def parse_args(argv):
@@ -32,7 +32,13 @@ def parse_args(argv):
                    "http://host:port (default http://127.0.0.1:8000)")
     p.add_argument("--protocol", choices=("grpc", "http"), default=None,
                    help="default: from the URL's scheme, else grpc")
-    p.add_argument("--model", default="exspec")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"the served model (default {DEFAULT_MODEL}, what `make serve` serves; the "
+                   "toy pair of the tests is exspec)")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message: the server renders it with the "
+                   "model's own chat template (an instruct model's way to be asked)")
+    p.add_argument("--system", default=None, help="with --chat: a system message first")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -53,7 +59,17 @@ def parse_args(argv):
         p.error("give a prompt or --prompts FILE (one of the two)")
     if args.concurrency < 1:
         p.error("--concurrency must be >= 1")
+    if args.system is not None and not args.chat:
+        p.error("--system needs --chat")
     return args
+
+
+def as_request(prompt: str, args):
+    """The prompt as sent: its text, or with --chat a chat of one user turn (and --system)."""
+    if not args.chat:
+        return prompt
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    return system + [{"role": "user", "content": prompt}]
 
 
 def sampling(args) -> dict:
@@ -71,6 +87,7 @@ class Session:
         self.lock = threading.Lock()
 
     def run(self, prompt: str, echo: bool = False) -> Result:
+        prompt = as_request(prompt, self.args)
         if self.args.unary:
             result = self.client.infer(prompt, timeout_s=self.args.timeout, **sampling(self.args))
             if echo:

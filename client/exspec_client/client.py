@@ -15,7 +15,7 @@ import time
 
 from . import wire
 from .streams import Generation, GrpcGeneration, HttpGeneration
-from .types import ExspecError, Result, sampling_json
+from .types import DEFAULT_MODEL, ExspecError, Result, sampling_json
 
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "http://127.0.0.1:8000"}
 PROTOCOLS = ("grpc", "http")
@@ -46,7 +46,7 @@ def split_url(url: str | None, protocol: str | None) -> tuple[str, str]:
 
 class Client:
     def __init__(self, url: str | None = None, protocol: str | None = None,
-                 model: str = "exspec", unary_model: str | None = None,
+                 model: str = DEFAULT_MODEL, unary_model: str | None = None,
                  timeout_s: float | None = None, headers: dict | None = None):
         self.protocol, self.url = split_url(url, protocol)
         self.model = model
@@ -54,7 +54,7 @@ class Client:
         self.timeout_s = timeout_s
         self.headers = headers
 
-    def stream(self, prompt: str | list[int], *, max_tokens: int | None = None,
+    def stream(self, prompt: str | list[int] | list[dict], *, max_tokens: int | None = None,
                temperature: float | None = None, timeout_s: float | None = None,
                stream: bool = True, **sampling) -> Generation:
         """Start one generation; iterate it for Deltas as they arrive. `sampling` takes the
@@ -66,12 +66,12 @@ class Client:
                    timeout_s=self.timeout_s if timeout_s is None else timeout_s,
                    headers=self.headers)
 
-    def generate(self, prompt: str | list[int], **kwargs) -> Result:
+    def generate(self, prompt: str | list[int] | list[dict], **kwargs) -> Result:
         """stream() run to the end: the whole Result."""
         with self.stream(prompt, **kwargs) as generation:
             return generation.collect()
 
-    def infer(self, prompt: str | list[int], *, max_tokens: int | None = None,
+    def infer(self, prompt: str | list[int] | list[dict], *, max_tokens: int | None = None,
               temperature: float | None = None, timeout_s: float | None = None,
               **sampling) -> Result:
         """Unary inference (tritonclient infer()) on the non-decoupled front model."""

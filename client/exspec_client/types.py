@@ -5,6 +5,9 @@ import json
 import time
 from dataclasses import dataclass, field
 
+# What `make serve` serves (SmolLM2-135M-Instruct); the tests' toy pair is model "exspec".
+DEFAULT_MODEL = "smollm2"
+
 
 class ExspecError(RuntimeError):
     """The server refused or failed a request; `message` is the server's own text and

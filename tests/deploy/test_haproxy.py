@@ -157,7 +157,7 @@ def test_the_shipped_clients_generations_spread(replicas, haproxy):
     balancer its per-generation channels spread only by chance: gRPC may reuse a connection.)"""
     from exspec_client import Client
     before = [served(s) for s in replicas]
-    client = Client(haproxy["h2"], timeout_s=60)
+    client = Client(haproxy["h2"], model="exspec", timeout_s=60)
     for i in range(STREAMS):
         result = client.generate(f"def f{i}(x):", max_tokens=4, ignore_eos=True)
         assert len(result.token_ids) == 4, result

@@ -26,8 +26,9 @@ def served(server) -> float:
 
 def test_dns_target_reaches_the_server(load_server):
     host_port = load_server.urls["grpc"]
-    plain = Client(host_port, timeout_s=60).generate("import os\n", max_tokens=8)
-    balanced = Client(f"dns:///{host_port}", timeout_s=60).generate("import os\n", max_tokens=8)
+    plain = Client(host_port, model="exspec", timeout_s=60).generate("import os\n", max_tokens=8)
+    balanced = Client(f"dns:///{host_port}", model="exspec", timeout_s=60).generate(
+        "import os\n", max_tokens=8)
     assert balanced.token_ids == plain.token_ids and len(plain.token_ids) == 8
 
 
@@ -35,7 +36,7 @@ def test_generations_spread_over_every_server_the_target_names(load_server, seco
     servers = (load_server, second_server)
     before = [served(s) for s in servers]
     target = "ipv4:" + ",".join(s.urls["grpc"] for s in servers)
-    client = Client(target, timeout_s=60)
+    client = Client(target, model="exspec", timeout_s=60)
     for i in range(GENERATIONS):
         assert len(client.generate(f"def f{i}(x):\n", max_tokens=4).token_ids) == 4
     for server in servers:

@@ -12,7 +12,7 @@ PROTOCOLS = ("grpc", "http")
 
 
 def client(server, protocol) -> Client:
-    return Client(server.urls[protocol], protocol=protocol, timeout_s=60)
+    return Client(server.urls[protocol], protocol=protocol, model="exspec", timeout_s=60)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -74,7 +74,8 @@ def test_async_client_matches_the_sync_client(load_server, protocol):
     expected = client(load_server, protocol).generate(PROMPT, max_tokens=10).token_ids
 
     async def run():
-        async with AsyncClient(load_server.urls[protocol], protocol=protocol, timeout_s=60) as c:
+        async with AsyncClient(load_server.urls[protocol], protocol=protocol, model="exspec",
+                               timeout_s=60) as c:
             results = await asyncio.gather(*(c.generate(PROMPT, max_tokens=10) for _ in range(3)))
             with pytest.raises(ExspecError, match="max_tokens"):
                 await c.generate(PROMPT, max_tokens=0)

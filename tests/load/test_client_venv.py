@@ -28,7 +28,8 @@ def test_client_installs_without_torch_and_talks_to_the_server(load_server, tmp_
     answers = {}
     for protocol in ("grpc", "http"):
         out = run([bin_ / "exspec-client", "def add(a, b):\n", "--url",
-                   load_server.urls[protocol], "--protocol", protocol, "--max-tokens", "8",
+                   load_server.urls[protocol], "--protocol", protocol, "--model", "exspec",
+                   "--max-tokens", "8",
                    "--json"], timeout=120)
         answers[protocol] = json.loads(out.stdout)
         assert answers[protocol]["num_output_tokens"] == 8, out.stdout

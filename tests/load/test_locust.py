@@ -31,7 +31,7 @@ def test_headless_locust_completes_every_request_and_the_server_counts_them(
         [sys.executable, str(REPO / "load_tests" / "run.py"), "--url", load_server.urls["http"],
          "--grpc-url", load_server.urls["grpc"], "--users", str(USERS),
          "--requests-per-user", str(PER_USER), "--run-time", str(RUN_TIME_S),
-         "--max-tokens", "12", "--prompts-file", str(prompts_file), "--out", str(prefix)],
+         "--max-tokens", "12", "--prompts-file", str(prompts_file), "--out", str(prefix), "--model", "exspec"],
         capture_output=True, text=True, timeout=RUN_TIME_S + 120)
     log = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert done.returncode == 0, f"locust run failed:\n{log}"
@@ -67,7 +67,8 @@ def test_an_unreachable_grpc_url_stops_the_run_at_start_with_a_clear_message(
         done = subprocess.run(
             [sys.executable, str(REPO / "load_tests" / "run.py"), "--url", load_server.urls["http"],
              "--grpc-url", f"127.0.0.1:{closed}", "--users", "2", "--run-time", "30",
-             "--max-tokens", "4", "--prompts-file", str(prompts_file), "--out", str(tmp_path / "l")],
+             "--max-tokens", "4", "--prompts-file", str(prompts_file), "--out", str(tmp_path / "l"),
+             "--model", "exspec"],
             capture_output=True, text=True, timeout=90)
     log = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert done.returncode != 0, f"the run started anyway:\n{log}"
