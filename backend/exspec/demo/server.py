@@ -29,26 +29,13 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..models.real_pair import QUESTIONS, chat_prompt, ensure_pair
+from ..models.real_pair import QUESTIONS, chat_prompt, ensure_pair, write_repository
 from ..serving.launcher import TritonServer
 from ..serving.openai_frontend import DEFAULT_FRONTEND
 from ..serving.ports import reserve_ports
 
-REPOSITORY = Path(__file__).resolve().parents[3] / "model_repository"
 MODEL = "exspec"
 DEMO_QUESTIONS = [QUESTIONS[0][1], QUESTIONS[4][1], QUESTIONS[8][1]]   # coding, qa, writing
-
-
-def _repository(work: Path, pair: Path, k: int) -> Path:
-    """A model repository with the shipped config.pbtxt and a model.json naming the real pair."""
-    model = work / "models" / MODEL
-    (model / "1").mkdir(parents=True)
-    shutil.copy(REPOSITORY / MODEL / "config.pbtxt", model / "config.pbtxt")
-    (model / "1" / "model.json").write_text(json.dumps({
-        "target_model": str(pair / "target"), "draft_model": str(pair / "draft"),
-        "tokenizer": str(pair / "target"), "method": "exspec", "num_speculative_tokens": k,
-        "max_batch_size": 4, "dtype": "float32"}, indent=1))
-    return work / "models"
 
 
 @dataclass
@@ -227,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(pair / "target")
     prompts = [chat_prompt(tokenizer, q) for q in DEMO_QUESTIONS[:args.num_questions]]
     with tempfile.TemporaryDirectory(prefix="exspec-demo-") as tmp:
-        repository = _repository(Path(tmp), pair, args.k)
+        repository = write_repository(Path(tmp) / "models", pair, "draft_model", args.k, MODEL)
         print(f"starting tritonserver: SmolLM2-135M-Instruct (float32) with its trained draft, "
               f"from {pair} ...", flush=True)
         started = time.perf_counter()

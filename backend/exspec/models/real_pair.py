@@ -12,7 +12,8 @@ downloaded.
 
 The folder is PAIR_DIR (override with EXSPEC_SMOLLM2_DIR): target/, draft/, prompts.jsonl
 (QUESTIONS rendered through the chat template, SpecBench-shaped, for exspec-bench --pair
-smollm2), and wheel/ (pip's download cache).
+smollm2), wheel/ (pip's download cache) and model_repository/ (what `make serve` serves: model
+`smollm2`, the target with the n-gram proposer; see `write_repository`).
 """
 from __future__ import annotations
 
@@ -53,8 +54,13 @@ QUESTIONS = [
     ("reasoning", "Summarise the water cycle for a ten-year-old."),
 ]
 
-# The draft trained for this target by scripts/train_smollm2_draft.py (committed weights).
-DRAFT_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "smollm2_draft"
+# The draft trained for this target by scripts/train_smollm2_draft.py (committed weights), and
+# the shipped model repository whose config.pbtxt and unary front model the served model reuses;
+# both from the checkout (absent where only the package is installed: the image passes
+# --draft-source and --shipped-repository).
+REPOSITORY = Path(__file__).resolve().parents[3] / "model_repository"
+DRAFT_DIR = REPOSITORY / "exspec" / "1" / "smollm2_draft"
+SERVED_NAME = "smollm2"
 
 PAIR_DIR = Path(os.environ.get("EXSPEC_SMOLLM2_DIR",
                                Path.home() / ".cache" / "exspec" / "smollm2-135m-instruct"))
@@ -106,28 +112,73 @@ def convert_target(gguf: Path, out: Path) -> None:
 DRAFT_FILES = ("config.json", "generation_config.json", "model.safetensors")
 
 
-def install_draft(out: Path) -> None:
-    """DRAFT_DIR's weights into `out`, stamped with their checksum so that a retrained draft
-    replaces an older copy."""
+def install_draft(out: Path, source: Path = DRAFT_DIR) -> None:
+    """The trained draft's weights into `out`, stamped with their checksum so that a retrained
+    draft replaces an older copy."""
     import shutil
     tmp = out.with_name(out.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for name in DRAFT_FILES:
-        shutil.copyfile(DRAFT_DIR / name, tmp / name)
-    (tmp / "SOURCE_SHA256").write_text(sha256(DRAFT_DIR / "model.safetensors") + "\n")
+        shutil.copyfile(source / name, tmp / name)
+    (tmp / "SOURCE_SHA256").write_text(sha256(source / "model.safetensors") + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
 
-def draft_is_current(draft: Path) -> bool:
+def draft_is_current(draft: Path, source: Path = DRAFT_DIR) -> bool:
     stamp = draft / "SOURCE_SHA256"
     return (stamp.exists() and (draft / "model.safetensors").exists()
-            and stamp.read_text().strip() == sha256(DRAFT_DIR / "model.safetensors"))
+            and stamp.read_text().strip() == sha256(source / "model.safetensors"))
 
 
-def ensure_pair(pair_dir: Path = PAIR_DIR, log=print) -> Path:
-    """pair_dir with target/ and draft/, made if missing; the target's checksum always checked."""
+def model_json(pair_dir: Path, proposer: str = "ngram", k: int = 5,
+               relative_to: Path | None = None) -> dict:
+    """model.json serving the pair: `ngram` (prompt lookup; what `make serve` uses: it pays where
+    answers repeat their input, 1.59x on the grounded prompts, and costs no second model) or
+    `draft_model` (the trained draft: exact but weak, ~1.05x at batch 1). Paths relative to
+    `relative_to` (model.json's folder) when given, so the pair's folder can move whole."""
+    def path(name: str) -> str:
+        target = pair_dir / name
+        return os.path.relpath(target, relative_to) if relative_to is not None else str(target)
+    config = {"target_model": path("target"), "tokenizer": path("target"), "method": "exspec",
+              "num_speculative_tokens": k, "max_batch_size": 8, "dtype": "float32"}
+    if proposer == "ngram":
+        config["proposer"] = "ngram"
+    elif proposer == "draft_model":
+        config["draft_model"] = path("draft")
+    else:
+        raise ValueError(f"proposer {proposer!r}: expected 'ngram' or 'draft_model'")
+    return config
+
+
+def write_repository(out: Path, pair_dir: Path, proposer: str = "ngram", k: int = 5,
+                     name: str = SERVED_NAME, shipped: Path = REPOSITORY) -> Path:
+    """A Triton model repository in `out` serving the pair as model `name` (the shipped
+    config.pbtxt and a model.json naming the pair, written only where none is) and `<name>_unary` (the shipped unary front
+    model, forwarding to `name`); returns `out`."""
+    import shutil
+    version = out / name / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(shipped / "exspec" / "config.pbtxt", out / name / "config.pbtxt")
+    if not (version / "model.json").exists():   # an edited one is kept
+        config = model_json(pair_dir, proposer, k, relative_to=version)
+        (version / "model.json").write_text(json.dumps(config, indent=2) + "\n")
+    unary = out / f"{name}_unary"
+    (unary / "1").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(shipped / "exspec_unary" / "1" / "model.py", unary / "1" / "model.py")
+    pbtxt = (shipped / "exspec_unary" / "config.pbtxt").read_text()
+    forward = 'parameters { key: "decoupled_model" value { string_value: "exspec" } }'
+    assert forward in pbtxt, "the unary front model's config no longer names its target as expected"
+    (unary / "config.pbtxt").write_text(pbtxt.replace(forward, forward.replace('"exspec"', f'"{name}"')))
+    return out
+
+
+def ensure_pair(pair_dir: Path = PAIR_DIR, log=print, draft_source: Path = DRAFT_DIR,
+                shipped: Path = REPOSITORY) -> Path:
+    """pair_dir with target/, draft/ (where the trained draft's source is present) and the
+    model repository `make serve` serves, made if missing; the target's checksum always
+    checked."""
     target, draft = pair_dir / "target", pair_dir / "draft"
     if not (target / "model.safetensors").exists():
         start = time.monotonic()
@@ -139,12 +190,16 @@ def ensure_pair(pair_dir: Path = PAIR_DIR, log=print) -> Path:
     if got != SHA256:
         raise RuntimeError(f"{target / 'model.safetensors'}: sha256 {got}, expected {SHA256}; "
                            f"delete {target} and run `python -m exspec.models.real_pair` again")
-    if not draft_is_current(draft):
-        install_draft(draft)
-        log(f"real pair: the trained draft ({DRAFT_DIR.name}) installed in {draft}")
+    if not (draft_source / "model.safetensors").exists():
+        log(f"real pair: no trained draft at {draft_source}: the pair has no draft/ (the n-gram "
+            "model needs none)")
+    elif not draft_is_current(draft, draft_source):
+        install_draft(draft, draft_source)
+        log(f"real pair: the trained draft ({draft_source.name}) installed in {draft}")
     prompts = pair_dir / "prompts.jsonl"
     if not prompts.exists():
         write_prompts(target, prompts)
+    write_repository(pair_dir / "model_repository", pair_dir, shipped=shipped)
     return pair_dir
 
 
@@ -165,8 +220,22 @@ def write_prompts(target_dir: Path, out: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=PAIR_DIR, help="where the pair is cached")
+    ap.add_argument("--draft-source", type=Path, default=DRAFT_DIR,
+                    help="the trained draft's committed weights (default: the checkout's)")
+    ap.add_argument("--shipped-repository", type=Path, default=REPOSITORY,
+                    help="the shipped model repository whose config.pbtxt and unary front model "
+                    "the served model reuses (default: the checkout's model_repository/)")
+    ap.add_argument("--repository", type=Path,
+                    help="also write model `smollm2` into this model repository (the image: /models)")
     args = ap.parse_args(argv)
-    print(ensure_pair(args.dir))
+    pair = ensure_pair(args.dir, draft_source=args.draft_source, shipped=args.shipped_repository)
+    if args.repository is not None:
+        write_repository(args.repository, pair, shipped=args.shipped_repository)
+    repository = args.repository or pair / "model_repository"
+    print(f"real pair ready in {pair}: target/ (SmolLM2-135M-Instruct, float32)"
+          + (", draft/ (the trained draft)" if (pair / "draft").exists() else "")
+          + f"\nserve it (model {SERVED_NAME!r}, n-gram proposer): "
+          f"exspec-serve --model-repository {repository}   (or: make serve)")
 
 
 if __name__ == "__main__":
