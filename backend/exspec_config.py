@@ -63,6 +63,16 @@ def parameter(model_config: dict, name: str) -> str:
     return model_config.get("parameters", {}).get(name, {}).get("string_value", "").strip()
 
 
+def health_check(model_config: dict) -> bool:
+    """config.pbtxt parameter ENABLE_VLLM_HEALTH_CHECK ("true" / "false", the vLLM backend's):
+    unload the model once its engine is dead."""
+    raw = parameter(model_config, "ENABLE_VLLM_HEALTH_CHECK").lower()
+    if raw not in ("", "true", "false"):
+        raise ValueError(f"config.pbtxt parameter ENABLE_VLLM_HEALTH_CHECK must be \"true\" or "
+                         f"\"false\", got {raw!r}")
+    return raw == "true"
+
+
 def drain_settings(model_config: dict) -> tuple[str | None, float]:
     """config.pbtxt parameters drain_file (default: none) and drain_timeout_s (seconds >= 0)."""
     raw = parameter(model_config, "drain_timeout_s")

@@ -11,6 +11,12 @@ refuses new requests with UNAVAILABLE, lets in-flight requests finish until `dra
 has passed, then ends the rest with an UNAVAILABLE error that says why. Keep drain_timeout_s
 below the exit timeout, so that every stream gets its final response before Triton gives up.
 
+A dead engine (its thread died, or the watchdog gave up on a tick) makes the model not ready
+(`is_ready`, Triton 26.03 and later). With the config.pbtxt parameter ENABLE_VLLM_HEALTH_CHECK
+"true" it is also unloaded, as the vLLM backend unloads an unhealthy engine, so that the
+repository index says UNAVAILABLE and the model's ready endpoint fails on any Triton version
+(Triton unloads only under --model-control-mode=explicit; otherwise the log says so).
+
 The send thread runs the drain and the watchdog between the items it handles; Triton's thread
 reads `intake_open` and `dead` (plain attributes, each written by one thread at a time).
 """
@@ -31,8 +37,14 @@ DRAIN_POLL_S = 0.5           # how often the send thread looks for the drain fil
 ORPHAN_POLL_S = 0.5          # how often the stub checks that tritonserver is still its parent
 
 
+# The vLLM backend's words for requests to an unhealthy engine, which its CI tests match.
+UNHEALTHY = "Model is unavailable due to unhealthy vLLM engine"
+
+
 class Lifecycle:
-    def __init__(self, drain_file: str | None, drain_timeout_s: float, tick_timeout_s: float | None):
+    def __init__(self, drain_file: str | None, drain_timeout_s: float, tick_timeout_s: float | None,
+                 unload_when_dead: str | None = None):
+        self.unload_when_dead = unload_when_dead   # the model to unload once dead (health check)
         self.drain_file = drain_file
         self.drain_timeout_s = drain_timeout_s
         self.tick_timeout_s = tick_timeout_s      # the watchdog's limit; None: off
@@ -98,9 +110,26 @@ class Lifecycle:
         if self.dead is None:
             self.dead = (f"the exspec engine has stopped ({message}); this model "
                          "cannot serve until the server is restarted")
+            if self.unload_when_dead:
+                self.dead = f"{UNHEALTHY}: {self.dead}"
             pb_utils.Logger.log_error(f"exspec: {self.dead}; ending {in_flight} "
                                       "requests in flight")
+            if self.unload_when_dead:
+                # its own thread: the unload calls finalize, which joins the calling send thread
+                threading.Thread(target=self._unload, name="exspec-unload", daemon=True).start()
         return self.dead
+
+    def _unload(self):
+        name = self.unload_when_dead
+        pb_utils.Logger.log_error(f"exspec: the engine is not healthy; unloading model {name} "
+                                  "(ENABLE_VLLM_HEALTH_CHECK)")
+        try:
+            pb_utils.unload_model(name)
+        except Exception as exc:   # e.g. not in explicit model control mode
+            pb_utils.Logger.log_error(
+                f"exspec: could not unload model {name}: {exc}; Triton unloads a model only "
+                "under --model-control-mode=explicit (the model stays loaded, refusing requests, "
+                "and not ready on Triton 26.03 and later)")
 
     def overdue_tick(self, engine_thread) -> str | None:
         """The watchdog: a tick running past tick_timeout_s stops the engine for good (the

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from reliabilitykit import clients, ready, scrape, server_log
+from reliabilitykit import (MODELS, TritonServer, clients, ready, scrape, server_log, wait_for,
+                            write_model)
 
 PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "The quick brown fox", "hello world",
            "import os\nimport sys\n", "class Engine:\n", "Grüße, naïve café", "emoji: 🚀"]
@@ -126,3 +127,53 @@ def test_tick_past_tick_timeout_ends_requests_with_unavailable(rel_server, refer
     assert scrape(rel_server, "exspec:engine_up", model="slow") == 0
     assert ready(rel_server) and one(rel_server, "limits", PROMPTS[1]).ids() == reference[PROMPTS[1]]
     print(f"\nslow: stuck tick answered after {took:.1f} s (tick_delay_s 2.5, tick_timeout_s 0.5)")
+
+
+HEALTH_CHECK = '\nparameters { key: "ENABLE_VLLM_HEALTH_CHECK" value { string_value: "true" } }\n'
+
+
+def repository_state(server, model: str) -> str | None:
+    import json
+    import urllib.request
+    req = urllib.request.Request(server.urls["http"] + "/v2/repository/index", data=b"{}")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        index = json.loads(r.read())
+    return next((m.get("state") for m in index if m["name"] == model), None)
+
+
+def test_health_check_unloads_a_dead_engine_as_the_vllm_backend_does(pair, tmp_path):
+    """ENABLE_VLLM_HEALTH_CHECK "true" under explicit model control (what the vLLM backend asks
+    for): once the engine thread dies, requests get the vLLM backend's UNAVAILABLE words and the
+    model is unloaded, so its ready endpoint fails and the repository index says UNAVAILABLE on
+    any Triton version; a model without the parameter stays loaded (not ready only where Triton
+    asks is_ready). Other models serve on."""
+    repo = tmp_path / "models"
+    write_model(repo, "crash_hc", pair, MODELS["crash"], config_extra=HEALTH_CHECK)
+    write_model(repo, "crash", pair, MODELS["crash"])
+    write_model(repo, "limits", pair, MODELS["limits"])
+    with TritonServer(repo, free_ports=True, startup_timeout_s=300, log_path=tmp_path / "log",
+                      extra_args=["--model-control-mode=explicit", "--load-model=*",
+                                  "--exit-timeout-secs=10"]) as server:
+        assert ready(server, "crash_hc") and repository_state(server, "crash_hc") == "READY"
+        for model in ("crash_hc", "crash"):
+            calls = concurrently(server, model, PROMPTS[:2], stream=True,
+                                 sampling={"max_tokens": 200, "ignore_eos": True})
+            for call in calls:
+                assert_one_final(call, f"in-flight request on {model}")
+                error = call.responses[-1].error
+                assert "the engine thread died" in error, error
+                assert ("Model is unavailable due to unhealthy vLLM engine" in error) == (
+                    model == "crash_hc"), error
+        wait_for(lambda: repository_state(server, "crash_hc") == "UNAVAILABLE", 60,
+                 "crash_hc unloaded")
+        assert not ready(server, "crash_hc")
+        new = one(server, "crash_hc", "hello", timeout_s=20)
+        assert new.responses[-1].error, new.responses
+        log = server_log(server)
+        assert "unloading model crash_hc (ENABLE_VLLM_HEALTH_CHECK)" in log
+        assert "successfully unloaded 'crash_hc'" in log
+        # without the parameter: still loaded, refusing with exspec's own words
+        assert repository_state(server, "crash") == "READY"
+        refused = one(server, "crash", "hello", timeout_s=20).responses[-1].error
+        assert "has stopped" in refused and "unhealthy vLLM engine" not in refused
+        assert ready(server, "limits") and not one(server, "limits", PROMPTS[0]).responses[-1].error
