@@ -7,15 +7,14 @@ a passage) and proposes nothing elsewhere. A proposal is only a proposal: the ta
 it as it verifies a draft model's (design: "Proposers"). Each row keeps an index of its n-grams,
 extended as it grows, so a lookup's cost does not grow with the context (NgramIndex).
 
-A host proposer: its proposals are known when the step is planned, so each row proposes its own
-number of tokens, a constrained row only what its grammar accepts, and the verification input
-([pending, proposal] per row, left-padded) goes up in the step's one upload.
+A host proposer: its step is LookupProposer's (lookup.py).
 """
 from __future__ import annotations
 
 import weakref
 
-from .proposer import Plan, Proposal, Proposer, Row, Runner, StepState
+from .lookup import LookupProposer
+from .proposer import Row
 
 
 class NgramIndex:
@@ -50,9 +49,8 @@ class NgramIndex:
         return []
 
 
-class NgramProposer(Proposer):
+class NgramProposer(LookupProposer):
     name = "ngram"
-    proposes = True
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n = min_n
@@ -72,29 +70,3 @@ class NgramProposer(Proposer):
 
     def request_done(self, row: Row, reason: str) -> None:
         self.indexes.pop(row, None)
-
-    def plan(self, runner: Runner, seqs, k: int) -> Plan:
-        if k == 0:
-            return Plan(0, [0] * len(seqs))
-        with runner.stats.timer("draft"):
-            proposals = [self._propose(s, s.drafts_at(k)) for s in seqs]
-            # a constrained row proposes only what its grammar accepts
-            proposals = [p if s.grammar is None else p[:s.grammar.valid_prefix(p)]
-                         for s, p in zip(seqs, proposals)]
-        width = max(map(len, proposals))
-        if width == 0:   # no row found a match: a plain step
-            return Plan(0, [0] * len(seqs))
-        return Plan(width, [len(p) for p in proposals], proposals)
-
-    def stage(self, runner: Runner, state, seqs, plan: Plan, upload):
-        """The verification's input: [pending, proposal] per row, left-padded."""
-        if plan.tokens is None:
-            return None, {}
-        tails = [[s.pending_token] + p for s, p in zip(seqs, plan.tokens)]
-        return (tails, runner.stage_ragged(upload, tails, [s.num_tokens - 1 for s in seqs])), {}
-
-    def propose(self, runner: Runner, state, seqs, plan: Plan, staged, sent, step: StepState) -> Proposal:
-        if staged is None:
-            return Proposal(0, masks=step.masks)
-        tails, at = staged
-        return Proposal(plan.width, verify_input=runner.read_ragged(sent[at], tails), masks=step.masks)

@@ -1,0 +1,45 @@
+"""LookupProposer: the shared step of proposers that look their proposals up on the host (n-gram,
+suffix decoding): no model, no KV cache, no forward.
+
+Their proposals are known when the step is planned, so each row proposes its own number of
+tokens, a constrained row only what its grammar accepts, and the verification input ([pending,
+proposal] per row, left-padded) goes up in the step's one upload. A subclass says only how a row
+proposes (`_propose`) and what it keeps per request.
+"""
+from __future__ import annotations
+
+from .proposer import Plan, Proposal, Proposer, Row, Runner, StepState
+
+
+class LookupProposer(Proposer):
+    proposes = True
+
+    def _propose(self, row: Row, k: int) -> list[int]:
+        """Up to k tokens for this row; [] for none."""
+        raise NotImplementedError
+
+    def plan(self, runner: Runner, seqs, k: int) -> Plan:
+        if k == 0:
+            return Plan(0, [0] * len(seqs))
+        with runner.stats.timer("draft"):
+            proposals = [self._propose(s, s.drafts_at(k)) for s in seqs]
+            # a constrained row proposes only what its grammar accepts
+            proposals = [p if s.grammar is None else p[:s.grammar.valid_prefix(p)]
+                         for s, p in zip(seqs, proposals)]
+        width = max(map(len, proposals))
+        if width == 0:   # no row found a match: a plain step
+            return Plan(0, [0] * len(seqs))
+        return Plan(width, [len(p) for p in proposals], proposals)
+
+    def stage(self, runner: Runner, state, seqs, plan: Plan, upload):
+        """The verification's input: [pending, proposal] per row, left-padded."""
+        if plan.tokens is None:
+            return None, {}
+        tails = [[s.pending_token] + p for s, p in zip(seqs, plan.tokens)]
+        return (tails, runner.stage_ragged(upload, tails, [s.num_tokens - 1 for s in seqs])), {}
+
+    def propose(self, runner: Runner, state, seqs, plan: Plan, staged, sent, step: StepState) -> Proposal:
+        if staged is None:
+            return Proposal(0, masks=step.masks)
+        tails, at = staged
+        return Proposal(plan.width, verify_input=runner.read_ragged(sent[at], tails), masks=step.masks)
