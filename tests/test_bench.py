@@ -30,8 +30,8 @@ CELL_SCHEMA = {   # key: (allowed types, may be null)
 # reports it).
 SHARES = ("exact_match_share", "prefix_match_mean", "acceptance_rate", "realign_share",
           "equal_length_step_share")
-METHODS = ("autoregressive", "eqspec", "exspec", "eqspec_ngram", "exspec_ngram", "hf_generate",
-           "hf_assisted")
+METHODS = ("autoregressive", "eqspec", "exspec", "eqspec_ngram", "exspec_ngram", "eqspec_suffix",
+           "exspec_suffix", "hf_generate", "hf_assisted")
 
 
 def check_schema(results: dict) -> None:
@@ -178,7 +178,7 @@ def test_sampled_run_compares_both_couplings_with_the_seeded_reference(bench_inp
 
 
 def test_ngram_methods_on_a_shipped_prompt_set_are_exact(bench_inputs):
-    """--methods *_ngram: prompt lookup, no draft model; --prompt-set grounded: the shipped set,
+    """--methods *_ngram and *_suffix: no draft model; --prompt-set grounded: the shipped set,
     through the chat template. Exact (this random pair seldom repeats itself, so whether it
     proposes is left to tests/engine/test_ngram.py)."""
     root, args = bench_inputs
@@ -187,12 +187,13 @@ def test_ngram_methods_on_a_shipped_prompt_set_are_exact(bench_inputs):
     del args[args.index("--prompts"):args.index("--prompts") + 2]   # the set instead
     args[args.index("--batch-sizes") + 1] = "1"
     assert main(args + ["--max-tokens", "16", "--prompt-set", "grounded", "--methods",
-                        "autoregressive,eqspec_ngram,exspec_ngram", "--out", str(out)]) == 0
+                        "autoregressive,eqspec_ngram,exspec_ngram,exspec_suffix", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     check_schema(results)
     assert results["config"]["prompts"].endswith("grounded.jsonl")
     ngram = [c for c in results["cells"] if c["method"].endswith("_ngram")]
     assert {c["method"] for c in ngram} == {"eqspec_ngram", "exspec_ngram"}
+    assert any(c["method"] == "exspec_suffix" for c in results["cells"])
     assert all(c["exact_match_share"] == 1 for c in results["cells"])
 
 

@@ -14,7 +14,8 @@ from .vllm_args import translate
 log = logging.getLogger("exspec")
 
 METHODS = ("exspec", "eqspec", "autoregressive")
-PROPOSERS = ("draft_model", "ngram")   # vLLM's speculative_config methods exspec runs
+PROPOSERS = ("draft_model", "ngram", "suffix")   # vLLM's speculative_config methods exspec runs
+LOOKUP_PROPOSERS = ("ngram", "suffix")   # no draft model: proposals looked up on the host
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAP_POLICIES = ("auto", "balanced", "balanced_low_0", "sequential")
 STREAM_GRANULARITIES = ("token", "step")
@@ -66,10 +67,19 @@ class EngineConfig:
     tokenizer: str | None = None          # default: the target's
     method: str = "exspec"                # exspec | eqspec | autoregressive
     num_speculative_tokens: int = 5       # k; per-request values may lower it
-    proposer: str = "draft_model"         # where proposals come from: the draft model, or
-                                          # "ngram" (prompt lookup, ngram.py: no draft model)
+    proposer: str = "draft_model"         # where proposals come from: the draft model,
+                                          # "ngram" (prompt lookup, ngram.py) or "suffix" (suffix
+                                          # decoding, suffix.py): those two load no draft model
     prompt_lookup_max: int = 4            # ngram: the longest suffix matched (vLLM's name)
     prompt_lookup_min: int = 2            # ngram: the shortest
+    suffix_decoding_max_tree_depth: int = 24          # suffix (vLLM's names and defaults): the
+                                          # longest substring indexed, so the longest match
+    suffix_decoding_max_cached_requests: int = 10000  # suffix: earlier outputs the global tree
+                                          # keeps (oldest evicted; 0: no global tree)
+    suffix_decoding_max_spec_factor: float = 1.0      # suffix: a match of m tokens proposes at
+                                          # most factor x m
+    suffix_decoding_min_token_prob: float = 0.1       # suffix: a proposal stops where its path's
+                                          # probability falls below this
     adaptive_k: bool = True               # choose k per group from measured acceptance
     draft_stop_confidence: float | str | None = None   # adaptive k: a round of drafts ends at
                                           # a draft token its draft gives less than this; "auto":
@@ -117,15 +127,19 @@ class EngineConfig:
             raise ValueError(f"unknown method {self.method!r}; expected one of {', '.join(METHODS)}")
         if self.proposer not in PROPOSERS:
             raise ValueError(f"unknown proposer {self.proposer!r}; expected one of {', '.join(PROPOSERS)}")
-        if self.proposer == "ngram":
-            if self.draft_model:
-                raise ValueError("proposer 'ngram' proposes without a draft model; drop draft_model")
+        if self.proposer in LOOKUP_PROPOSERS and self.draft_model:
+            raise ValueError(f"proposer {self.proposer!r} proposes without a draft model; drop "
+                             "draft_model")
+        if self.proposer == "suffix":
+            self._check_suffix()
+        elif self.proposer == "ngram":
             if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
                 raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy "
                                  f"1 <= min <= max, got {self.prompt_lookup_min} and "
                                  f"{self.prompt_lookup_max}")
         elif self.speculative and not self.draft_model:   # k = 0: the layout alone, no drafts
-            raise ValueError(f"method {self.method!r} needs a draft_model (or proposer 'ngram')")
+            raise ValueError(f"method {self.method!r} needs a draft_model (or proposer 'ngram' "
+                             "or 'suffix')")
         if self.sampling_coupling not in COUPLINGS:
             raise ValueError(f"unknown sampling_coupling {self.sampling_coupling!r}; expected one of "
                              f"{', '.join(COUPLINGS)} (gumbel: the speculative output equals the "
@@ -183,6 +197,17 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization!r}")
         if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
             raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
+
+    def _check_suffix(self) -> None:
+        ranges = (("suffix_decoding_max_tree_depth", 1, None), ("suffix_decoding_max_cached_requests", 0, None),
+                  ("suffix_decoding_max_spec_factor", 1e-9, None), ("suffix_decoding_min_token_prob", 0, 1))
+        for name, low, high in ranges:
+            value = getattr(self, name)
+            if value < low or (high is not None and value > high):
+                bound = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
+                if name == "suffix_decoding_max_spec_factor":
+                    bound = "> 0"
+                raise ValueError(f"{name} must be {bound}, got {value!r}")
 
     def _check_types(self) -> None:
         """Each plain field holds its own type (model.json is typed JSON: a 2.0 where an integer

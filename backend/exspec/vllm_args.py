@@ -38,8 +38,10 @@ DTYPE_SPELLINGS = {"half": "float16", "float": "float32", "bf16": "bfloat16", "f
 
 VLLM_DEFAULT_MAX_TOKENS = 16   # vLLM's SamplingParams.max_tokens default
 
+SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 SPECULATIVE_KEYS = ("model", "method", "num_speculative_tokens", "draft_tensor_parallel_size",
-                    "prompt_lookup_max", "prompt_lookup_min")
+                    "prompt_lookup_max", "prompt_lookup_min", *SUFFIX_KEYS)
 
 
 def translate(values: dict) -> tuple[dict, list[str]]:
@@ -83,8 +85,8 @@ def translate(values: dict) -> tuple[dict, list[str]]:
 
 
 def _speculative(spec, values: dict) -> dict:
-    """vLLM's speculative_config -> exspec keys. A draft model, or n-gram prompt lookup (no
-    draft model); the other methods (EAGLE, Medusa, MTP, suffix) are refused by name."""
+    """vLLM's speculative_config -> exspec keys. A draft model, n-gram prompt lookup or suffix
+    decoding (no draft model); the other methods (EAGLE, Medusa, MTP) are refused by name."""
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be an object, got {spec!r}")
     unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
@@ -92,11 +94,25 @@ def _speculative(spec, values: dict) -> dict:
         raise ValueError(f"speculative_config keys not supported by exspec: {', '.join(unknown)} "
                          f"(supported: {', '.join(SPECULATIVE_KEYS)})")
     method = spec.get("method", "draft_model")
-    if method not in ("draft_model", "ngram"):
+    if method not in ("draft_model", "ngram", "suffix"):
         raise ValueError(f"speculative_config method {method!r} is not supported by exspec; "
-                         f"it speculates with a draft model (method 'draft_model' and 'model') "
-                         f"or by prompt lookup (method 'ngram')")
+                         f"it speculates with a draft model (method 'draft_model' and 'model'), "
+                         f"by prompt lookup (method 'ngram') or by suffix decoding (method 'suffix')")
+    suffix = {key: spec[key] for key in SUFFIX_KEYS if key in spec}
+    if suffix and method != "suffix":
+        raise ValueError(f"speculative_config {', '.join(sorted(suffix))}: only for method 'suffix'")
     lookup = {key: spec[key] for key in ("prompt_lookup_max", "prompt_lookup_min") if key in spec}
+    if method == "suffix":
+        if "model" in spec or "draft_model" in values:
+            raise ValueError("speculative_config method 'suffix' proposes without a draft model; "
+                             "drop 'model'")
+        if lookup:
+            raise ValueError(f"speculative_config {', '.join(sorted(lookup))}: only for method 'ngram'")
+        # vLLM: without num_speculative_tokens, suffix decoding proposes up to the tree's depth
+        depth = suffix.get("suffix_decoding_max_tree_depth", 24)
+        depth = depth if isinstance(depth, int) and not isinstance(depth, bool) else 24  # (checked at load)
+        return {"proposer": "suffix", **suffix,
+                "num_speculative_tokens": spec.get("num_speculative_tokens", depth)}
     if method == "ngram":
         if "model" in spec or "draft_model" in values:
             raise ValueError("speculative_config method 'ngram' proposes without a draft model; "

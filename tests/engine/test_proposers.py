@@ -42,7 +42,15 @@ def ngram(pairs, cyclic):
                         prompt_lookup_min=2), prompts
 
 
-PROPOSERS = {"draft_model": draft_model, "ngram": ngram}
+def suffix(pairs, cyclic):
+    """Suffix decoding on the same target and prompts: each row's own tree, and the global tree
+    of earlier outputs as the cases' requests end."""
+    target, successor = cyclic
+    prompts = walk_prompts(successor, 12, seed=3) + make_prompts(320, 0, seed=3, count=4)
+    return target, dict(draft_model=None, proposer="suffix", suffix_decoding_max_tree_depth=8), prompts
+
+
+PROPOSERS = {"draft_model": draft_model, "ngram": ngram, "suffix": suffix}
 METHODS = ["eqspec", "exspec"]
 
 

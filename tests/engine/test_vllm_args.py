@@ -7,6 +7,7 @@ import torch
 from exspec import EngineConfig, LLMEngine, SamplingParams
 from exspec.engine import llm_engine as engine_module
 from exspec.spec.ngram import NgramProposer
+from exspec.spec.suffix import SuffixProposer
 
 from enginekit import make_prompts
 
@@ -50,7 +51,33 @@ def test_speculative_config_ngram_proposes_without_a_draft_model(pairs):
     assert engine.draft is None and isinstance(engine.runner.proposer, NgramProposer)
 
 
+def test_speculative_config_suffix_takes_vllms_keys_and_defaults(pairs):
+    """vLLM's suffix keys and defaults; without num_speculative_tokens, up to the tree's depth."""
+    config = EngineConfig.from_dict(vllm_json(pairs, speculative_config={"method": "suffix"}))
+    assert (config.method, config.proposer, config.draft_model) == ("exspec", "suffix", None)
+    assert (config.num_speculative_tokens, config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob) == (24, 24, 10000, 1.0, 0.1)
+    config = EngineConfig.from_dict(vllm_json(pairs, speculative_config={
+        "method": "suffix", "suffix_decoding_max_tree_depth": 12, "num_speculative_tokens": 6,
+        "suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 2.0,
+        "suffix_decoding_min_token_prob": 0.2}))
+    engine = LLMEngine(config)
+    proposer = engine.runner.proposer
+    assert engine.draft is None and isinstance(proposer, SuffixProposer)
+    assert (config.num_speculative_tokens, proposer.max_tree_depth, proposer.max_cached_requests,
+            proposer.max_spec_factor, proposer.min_token_prob) == (6, 12, 0, 2.0, 0.2)
+
+
 @pytest.mark.parametrize("key, value, message", [
+    ("speculative_config", {"method": "suffix", "model": "x"}, "proposes without a draft model"),
+    ("speculative_config", {"method": "suffix", "prompt_lookup_max": 3}, "only for method 'ngram'"),
+    ("speculative_config", {"method": "ngram", "suffix_decoding_max_tree_depth": 3},
+     "only for method 'suffix'"),
+    ("speculative_config", {"method": "suffix", "suffix_decoding_min_token_prob": -0.1},
+     r"suffix_decoding_min_token_prob must be in \[0, 1\]"),
+    ("speculative_config", {"method": "suffix", "suffix_decoding_max_tree_depth": 2.0},
+     "suffix_decoding_max_tree_depth"),
     ("tensor_parallel_size", 2, "tensor_parallel_size = 2 is not supported"),
     ("quantization", "awq", "quantization = 'awq' is not supported"),
     ("enable_lora", True, "enable_lora = True is not supported"),

@@ -51,12 +51,12 @@ from ..sampling.sampler import COUPLINGS
 from ..utils.threads import apply_threads, choose_threads
 from .equivalence import Reference
 from .ideal import CostModel
-from .methods import (HF_METHODS, METHODS, CellKey, EngineMethod, HFModels, Prompt, Run, make_method,
-                      run_interleaved)
+from .methods import (HF_METHODS, METHODS, SPECULATIVE_METHODS, CellKey, EngineMethod, HFModels, Prompt,
+                      Run, make_method, run_interleaved)
 from .paths import forward_costs
 
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
-SPECULATIVE = ("eqspec", "exspec", "eqspec_ngram", "exspec_ngram", "hf_assisted")
+SPECULATIVE = (*SPECULATIVE_METHODS, "hf_assisted")
 DRAFTED = ("eqspec", "exspec", "hf_assisted")   # the speculative methods that need a draft model
 # prompt sets shipped with the benchmark (one user turn each, our own text): "grounded" outputs
 # repeat their input (edits, answers from a passage, repeat-with-changes), "open" ones do not
@@ -174,7 +174,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "results.md then compares adaptive with the best of them. 0: the "
                          "method's own layout without speculation (what speculation adds)")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(m for m in METHODS if not m.endswith("_suffix")),
+                    help=f"comma list of {', '.join(METHODS)} (default: all but the *_suffix "
+                    "ones, whose global tree needs a workload that repeats across requests)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--interleave", choices=("tick", "run"), default="tick",
                     help="tick (default): each repeat runs its cells side by side, one tick (an "

@@ -15,10 +15,13 @@ from .. import EngineConfig, LLMEngine, SamplingParams
 from ..models.loading import DTYPES, _eos_ids, _max_positions
 
 # method -> (EngineConfig.method, EngineConfig.proposer): the *_ngram methods propose by prompt
-# lookup (ngram.py) and load no draft
+# lookup (ngram.py), the *_suffix ones by suffix decoding (suffix.py); neither loads a draft
 ENGINE_METHODS = {"autoregressive": ("autoregressive", "draft_model"),
                   "eqspec": ("eqspec", "draft_model"), "exspec": ("exspec", "draft_model"),
-                  "eqspec_ngram": ("eqspec", "ngram"), "exspec_ngram": ("exspec", "ngram")}
+                  "eqspec_ngram": ("eqspec", "ngram"), "exspec_ngram": ("exspec", "ngram"),
+                  "eqspec_suffix": ("eqspec", "suffix"), "exspec_suffix": ("exspec", "suffix")}
+# the speculative ones, in the order the report lists them
+SPECULATIVE_METHODS = tuple(m for m in ENGINE_METHODS if m != "autoregressive")
 HF_METHODS = ("hf_generate", "hf_assisted")
 METHODS = tuple(ENGINE_METHODS) + HF_METHODS
 
@@ -133,6 +136,9 @@ class EngineMethod(Method):
         return dataclasses.replace(pair, draft=None)
 
     def ticks(self, prompts: list[Prompt], max_tokens: int):
+        # a run learns only from its own earlier requests (suffix decoding's global tree), not
+        # from the same prompts' answers in the run before
+        self.engine.proposer.forget()
         before = self.engine.stats()
         params = [SamplingParams(max_tokens=max_tokens, seed=self.seed + i, **self.sampling)
                   for i in range(len(prompts))]

@@ -7,7 +7,9 @@ import statistics
 import warnings
 from pathlib import Path
 
-SPEC_METHODS = ("eqspec", "exspec", "eqspec_ngram", "exspec_ngram", "hf_assisted")
+from .methods import SPECULATIVE_METHODS
+
+SPEC_METHODS = (*SPECULATIVE_METHODS, "hf_assisted")
 
 
 def write_outputs(results: dict, divergences: list[dict], out: Path) -> list[Path]:
@@ -76,8 +78,7 @@ def table(cells: list[dict]) -> str:
 
 
 def order(cell: dict) -> tuple:
-    methods = ("autoregressive", "hf_generate", "eqspec", "exspec", "eqspec_ngram", "exspec_ngram",
-               "hf_assisted")
+    methods = ("autoregressive", "hf_generate", *SPECULATIVE_METHODS, "hf_assisted")
     rank = methods.index(cell["method"]) if cell["method"] in methods else len(methods)
     return rank, cell["adaptive_k"] is False
 
@@ -95,7 +96,7 @@ def findings(cells: list[dict]) -> list[str]:
     couplings = sorted({variant(c) for c in cells}, key=str)   # (coupling, path) pairs
     head = "| × autoregressive (achieved / ideal ÷ ideal) | " + " | ".join(f"B={b}" for b in sizes) + " |"
     lines = [head, "|---|" + "---|" * len(sizes)]
-    for method, adaptive, coupling in ((m, a, c) for m in ("eqspec", "exspec", "eqspec_ngram", "exspec_ngram")
+    for method, adaptive, coupling in ((m, a, c) for m in SPECULATIVE_METHODS
                                        for a in (True, False) for c in couplings):
         row = [by.get((method, b, adaptive, coupling)) for b in sizes]
         if not any(row):

@@ -28,6 +28,7 @@ from ..sampling.logits_processing import bad_words_token_ids
 from ..sampling.structured_output import Grammars
 from ..spec.draft_model import DraftModelProposer
 from ..spec.ngram import NgramProposer
+from ..spec.suffix import SuffixProposer
 from ..spec.proposer import Proposer
 from ..spec.vocab import PaddedVocab, check_vocabularies, logit_rows
 from ..utils.faults import Faults
@@ -88,6 +89,11 @@ def proposer_for(config: EngineConfig, pair: ModelPair, pad_id: int) -> Proposer
         return Proposer()
     if config.proposer == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.proposer == "suffix":
+        return SuffixProposer(config.suffix_decoding_max_tree_depth,
+                              config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_max_spec_factor,
+                              config.suffix_decoding_min_token_prob)
     return DraftModelProposer(pair.draft, PaddedVocab.of(pair.target, pair.draft, pair.tokenizer, pad_id))
 
 

@@ -181,3 +181,7 @@ class Proposer:
         """A row's request ended (`reason`: stop, length, abort or error), once per row, on the
         engine's thread: what a proposer learns across requests (a suffix tree of outputs)
         takes only rows that ended well, and frees what it kept per request."""
+
+    def forget(self) -> None:
+        """Drop what it learnt across requests (the benchmark starts each run from nothing, so
+        that a repeat is not proposed the answers of the one before)."""
