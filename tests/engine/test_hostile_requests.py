@@ -146,3 +146,81 @@ def test_a_row_left_without_tokens_mid_flight_leaves_arriving_and_running_rows_e
             expected, _ = seeded_reference(target, prompt, params[rid])
         assert tokens[rid] == (expected if complete else expected[:len(tokens[rid])]), rid
     assert finished["c"].finish_reason in ("abort", "length", "stop")
+
+
+def hostile_values(eos: int, vocab: int):
+    """field -> values a hostile or careless client sends: out of range, past float32 or int64,
+    NaN and infinities, conflicting constraints, grammars nothing satisfies."""
+    nan, inf = float("nan"), float("inf")
+    return {
+        "temperature": [HUGE, -1.0, nan, inf, 1e-40, 0.0, 50.0],
+        "top_p": [0.0, -0.5, 1.5, 1e-46, nan],
+        "top_k": [-5, 2**63, 2**31, 10**30],
+        "min_p": [-1.0, 2.0, nan],
+        "repetition_penalty": [0.0, -1.0, HUGE, 1e-46, inf],
+        "frequency_penalty": [HUGE, -HUGE, nan, 2.0],
+        "presence_penalty": [HUGE, -2.0, inf],
+        "logit_bias": [{5: HUGE}, {5: -HUGE}, {-1: 5.0}, {10**9: 1.0}, {eos: -100.0}],
+        "allowed_token_ids": [[], [-1], [10**9], [eos], [eos + 1]],
+        "min_tokens": [2**63, -1, 100],
+        "max_tokens": [0, -1, 2**63, 1],
+        "stop_token_ids": [[-1], [10**12], [eos + 2]],
+        "bad_words": [[""], ["zz" * 500], ["a"]],
+        "structured_outputs": [{"choice": []}, {"regex": "("}, {"regex": r"[^\s\S]"},
+                               {"json": {"type": "banana"}}, {"choice": ["ab"]}],
+        "seed": [-1, 2**64],
+        "n": [0, -1, 10**6],
+        "logprobs": [-1, 10**6],
+    }
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_fuzz_hostile_values_beside_innocent_rows(pairs, method):
+    """Random hostile values (1-3 fields each) batched with a greedy and a seeded innocent row,
+    round after round on one engine: every hostile request is refused with InvalidRequestError
+    or ends (stop, length, or error with a message); none raises anything else or fails a group;
+    every innocent output equals its target-only output."""
+    import random
+    rng = random.Random(1234 if method == "exspec" else 4321)
+    eos = pairs["llama", "eos"]
+    values = hostile_values(eos, 320)
+    prompts = make_prompts(320, eos, seed=11, count=4)
+    innocent = [SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, temperature=0.8, seed=9)]
+    expected = [o.token_ids for o in make_engine(pairs, method="autoregressive", draft_model=None)
+                .generate(prompts[:2], innocent)]
+    engine = make_engine(pairs, method=method, adaptive_k=True, max_batch_size=4)
+    refused = ended = 0
+    for round_ in range(30):
+        hostile = []
+        for _ in range(2):
+            fields = rng.sample(sorted(values), rng.choice([1, 1, 1, 2, 3]))
+            kwargs = {"max_tokens": 10, **{f: rng.choice(values[f]) for f in fields}}
+            try:
+                hostile.append((kwargs, SamplingParams(**kwargs)))
+            except InvalidRequestError:
+                refused += 1
+        ids = []
+        for i, params in enumerate(innocent):
+            engine.add_request(f"{round_}-ok{i}", prompts[i], params)
+        for j, (kwargs, params) in enumerate(hostile):
+            try:
+                engine.add_request(f"{round_}-bad{j}", prompts[2 + j], params)
+                ids.append(f"{round_}-bad{j}")
+            except InvalidRequestError:
+                refused += 1
+        finals, tokens = {}, {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished:
+                    finals[o.request_id] = o
+        for i in range(2):
+            rid = f"{round_}-ok{i}"
+            assert finals[rid].error is None and tokens[rid] == expected[i], (round_, hostile)
+        for rid in ids:
+            out = finals[rid]
+            assert out.finish_reason in ("stop", "length", "error"), (rid, out)
+            assert out.finish_reason != "error" or out.error, (rid, out)
+            ended += 1
+    print(f"\n{method}: {refused} hostile requests refused, {ended} ran to their end")
+    assert refused and ended, (refused, ended)   # both kinds met
