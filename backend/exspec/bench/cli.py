@@ -162,10 +162,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--draft", help="draft model (default: the demo pair's)")
     ap.add_argument("--tokenizer", help="tokenizer (default: the demo pair's, else the target's)")
     ap.add_argument("--prompts", type=Path, help="SpecBench JSONL (default: the demo prompts)")
-    ap.add_argument("--prompt-set", choices=("grounded", "open"),
+    ap.add_argument("--prompt-set", choices=("grounded", "open", "agentic"),
                     help="a prompt set shipped here instead of --prompts, each turn put through "
                          "the tokenizer's chat template: grounded (outputs repeat the input: "
-                         "n-gram proposals pay) or open")
+                         "n-gram proposals pay), open, or agentic (JSON extraction, SQL over one "
+                         "schema and tool calls, interleaved: outputs repeat earlier requests' "
+                         "formats, what suffix decoding's global tree learns)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("-k", type=int, default=5, help="speculative tokens (max k when adaptive)")
