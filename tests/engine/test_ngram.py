@@ -209,7 +209,10 @@ def test_adaptive_k_counts_a_proposal_that_ends_early_as_rejected_after_it():
         seldom.observe(8, 4, 1.6, 0.0, [4] + [0] * 7, [4] + [0] * 7)
     seldom.observe(8, 0, 1.0, 0.0, [0] * 8)          # a plain step: 1 / 1.6 of a speculative one
     assert seldom.tokens_by_k(seldom.acceptance)[4] < 1.6   # 1 + 4/8 measured, not 5
-    assert seldom.choose(G(8, 4, seldom.acceptance), 4) == 0
+    # wide speculation is ruled out (k = 4: ~1.5 tokens a row-step for 1.6 s); priced by width
+    # (a plain step 1.0 s, each more verified column 0.15 s), k = 1's 1.16 tokens for 1.15 s is
+    # on a par with plain decoding, so either may follow
+    assert seldom.choose(G(8, 4, seldom.acceptance), 4) in (0, 1)
 
 
 def test_adaptive_k_keeps_speculating_on_repeats(pairs, cyclic):

@@ -293,7 +293,10 @@ def test_adaptive_k_measures_plain_decoding_once_per_batch_size():
     assert ak.choose(G(8, 4, 0.5), 5) == 0              # ... yet plain decoding is measured once
     ak.observe(8, 0, 0.6, 0.0, [0] * 8)                 # 0.6 s: well below rest
     assert ak.plain[8] == pytest.approx(0.6 / 1.6)
-    assert ak.choose(G(8, 0, 0.5), 5) == 0              # 1 token per 0.6 s beats 2 per 2.0 s
+    # 1 token per 0.6 s beats k = 4's 2 per 2.0 s; priced by width (a 5-wide verification
+    # cost 1.6 s, a 1-wide one 0.6 s), k = 1's 1.9 tokens per 0.95 s beat both
+    assert ak.cost(8, 1) == pytest.approx(0.6 * (1 + (1.6 / 0.6 - 1) / 4) + 0.1)
+    assert ak.choose(G(8, 0, 0.5), 5) == 1
     # another bucket measures its own (a group shrinks as rows finish); where speculation
     # pays (every draft accepted), the measurement sends it straight back
     ak.observe(1, 4, 1.0, 0.2, [4])
@@ -447,3 +450,21 @@ def test_draft_stop_counts_only_drafts_the_target_verified():
     assert stop.verified[9] == 3 and stop.accepted[9] == 3
     assert stop.verified[5] == 1 and stop.accepted[5] == 0
     assert stop.verified[3] == 0
+
+
+def test_adaptive_k_prices_the_verifications_width():
+    """A compute-bound verifier (a plain step P, each more verified column 0.14 P, as the real
+    pair on this CPU) and a nearly free draft, rows keeping exactly one draft: k = 1 commits as
+    much as k = 5 for 0.63 P instead of 0.93 P. Priced by width, k comes down to 1; taken as
+    width-free, k = 5 looked only 0.4% dearer and stayed."""
+    P, gamma, draft = 0.55, 0.14, 0.001
+    ak = AdaptiveK(max_k=5)
+    ran, current = [], 5
+    for _ in range(40):
+        current = ak.choose(G(1, current, ak.acceptance), 5)
+        seconds = P * (1 + gamma * current) + current * draft
+        ak.observe(1, current, seconds, current * draft, [min(current, 1)])
+        ran.append(current)
+    assert ak.width_cost(1) == pytest.approx(gamma, rel=0.05)
+    assert ak.cost(1, 1) == pytest.approx(P * (1 + gamma) + draft, rel=0.05)
+    assert ran[-10:] == [1] * 10, ran

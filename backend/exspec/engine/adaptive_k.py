@@ -31,12 +31,16 @@ class AdaptiveK:
     next by 7% (median; 25% at the 90th percentile), more than neighbouring k's differ near the
     best (5-9% on the demo pair), and the earlier table of measured step times per k, each k
     timed at its own moments, compared k's at different speeds and settled one below its best
-    (0.91 of the best fixed k at B = 1, timed tick by tick). The verification's width (k + 1
-    columns) is taken not to change `rest`: measured, 19.3 vs 19.5 ms at widths 5 and 6 on the
-    demo pair at B = 1, the regime of a launch- or memory-bound verifier; on a compute-bound
-    verifier this favours a larger k. A plain step (k = 0) costs `plain` x rest, its own
-    ratio measured at the rest of its moment; until measured it is taken as costly as rest. A
-    bucket not measured yet borrows the nearest measured bucket's costs.
+    (0.91 of the best fixed k at B = 1, timed tick by tick).
+    The verification's width prices k too: the step besides its drafts is modelled as
+    P (1 + gamma k), P a plain (one-token) step, gamma what each more verified column costs as a
+    share of P: ~0 where the verifier is launch- or memory-bound (a GPU at small batch), 0.14 on
+    this 2-core CPU at B = 1 for the real pair (compute-bound), more at larger batches. gamma
+    comes from the one plain step measured per bucket (below): its time as a share of the
+    `rest` of its moment, at the mean k `rest` was measured over (`kbar`). Costs then follow
+    `rest` as it moves: P = rest / (1 + gamma kbar). Until plain decoding is measured, width
+    costs nothing and a plain step is taken as costly as `rest`. A bucket not measured yet
+    borrows the nearest measured bucket's costs.
     Plain decoding is measured once per batch-size bucket, by one plain step right after the
     bucket's first speculative step: its cost cannot be told from speculative steps (on a
     compute-bound verifier a one-token step costs a fraction of a k + 1 wide one, on a
@@ -65,6 +69,9 @@ class AdaptiveK:
         self.rest: dict[int, float] = {}
         self.draft: dict[int, float] = {}
         self.plain: dict[int, float] = {}
+        # the mean k `rest` is measured over (EMA), and that mean when plain was measured
+        self.kbar: dict[int, float] = {}
+        self.plain_at: dict[int, float] = {}
         self.recent_accepted, self.recent_rejections = 7.0, 3.0   # prior: acceptance 0.7
         self.probe_every = self.PROBE_EVERY
         # decayed counts per draft depth j (index j - 1): rows whose draft j was verified, and
@@ -94,9 +101,21 @@ class AdaptiveK:
         b = self._measured(batch)
         if b is None:
             return None
-        if k == 0:
-            return self.plain.get(b, 1.0) * self.rest[b]
-        return self.rest[b] + k * self.draft[b]
+        gamma = self.width_cost(b)
+        if gamma is None:   # width unpriced: every speculative step costs rest besides drafts
+            if k == 0:
+                return self.plain.get(b, 1.0) * self.rest[b]
+            return self.rest[b] + k * self.draft[b]
+        plain = self.rest[b] / (1.0 + gamma * self.kbar[b])
+        return plain * (1.0 + gamma * k) + k * self.draft[b]
+
+    def width_cost(self, bucket: int) -> float | None:
+        """gamma: one more verified column's cost as a share of a plain step (module doc);
+        None until plain decoding is measured at this bucket."""
+        at = self.plain_at.get(bucket)
+        if not at or bucket not in self.plain:
+            return None
+        return max(0.0, (1.0 / self.plain[bucket] - 1.0) / at)
 
     def hazards(self, acceptance: float) -> list[float]:
         """h_1 .. h_max_k: each depth's measured rejection share, shrunk toward the depth before."""
@@ -148,9 +167,11 @@ class AdaptiveK:
         if k == 0:
             if b in self.rest:
                 _ema(self.plain, b, seconds / self.rest[b], self.EMA)
+                self.plain_at[b] = self.kbar[b]
             return
         _ema(self.rest, b, seconds - draft_seconds, self.EMA)
         _ema(self.draft, b, draft_seconds / k, self.EMA)
+        _ema(self.kbar, b, float(k), self.EMA)
         proposed = proposed or [k] * len(accepted)
         self.recent_accepted = self.DECAY * self.recent_accepted + sum(accepted)
         self.recent_rejections = self.DECAY * self.recent_rejections + sum(
