@@ -10,6 +10,7 @@ of each and the speed-up, the two engines timed tick by tick in turn over the sa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 from .. import EngineConfig, LLMEngine, SamplingParams
 from ..bench.methods import run_interleaved, stats_delta
+from ..models.loading import load_pair
 
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
 FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in range(10):\n"]
@@ -52,12 +54,20 @@ def _tokenizer_dir(pair: Path) -> Path:
     return pair / "tokenizer" if (pair / "tokenizer").exists() else pair / "target"
 
 
-def _engine(pair: Path, method: str, k: int, batch: int) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(target_model=str(pair / "target"), draft_model=str(pair / "draft"),
-                                    tokenizer=str(_tokenizer_dir(pair)), method=method,
-                                    num_speculative_tokens=k, max_batch_size=batch))
-    engine.generate(["Hello"], SamplingParams(max_tokens=4))  # warm-up: one-off costs untimed
-    return engine
+def _engines(pair: Path, method: str, k: int, batch: int) -> list[LLMEngine]:
+    """The speculative engine and the target-only one, sharing the models loaded once (each
+    loaded model prints one "Loading weights" bar), each warmed up: one-off costs untimed."""
+    common = dict(target_model=str(pair / "target"), tokenizer=str(_tokenizer_dir(pair)),
+                  max_batch_size=batch)
+    speculative = EngineConfig(**common, draft_model=str(pair / "draft"), method=method,
+                               num_speculative_tokens=k)
+    models = load_pair(speculative)
+    engines = [LLMEngine(speculative, pair=models),
+               LLMEngine(EngineConfig(**common, method="autoregressive", num_speculative_tokens=0),
+                         pair=dataclasses.replace(models, draft=None))]
+    for engine in engines:
+        engine.generate(["Hello"], SamplingParams(max_tokens=4))
+    return engines
 
 
 class _Workload:
@@ -104,8 +114,7 @@ def main(argv=None) -> int:
     print(f"{REAL_PAIR if args.real else 'given pair' if args.pair else TOY_PAIR} ({pair})")
     prompts = prompts[:args.num_prompts]
     params = SamplingParams(max_tokens=args.max_tokens)
-    engines = [_engine(pair, args.method, args.k, args.batch_size),
-               _engine(pair, "autoregressive", 0, args.batch_size)]
+    engines = _engines(pair, args.method, args.k, args.batch_size)
     (spec, spec_tps, acceptance), (base, base_tps, _) = _side_by_side(engines, prompts, params)
     same = 0
     for i, (s, b) in enumerate(zip(spec, base)):
