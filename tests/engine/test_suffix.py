@@ -96,7 +96,7 @@ def test_counts_and_proposals_equal_the_definition_as_sequences_grow_and_go(seed
     assert tree.root.count == sum(map(len, left))
 
 
-def test_a_row_extends_its_own_tree_without_rescanning():
+def test_a_row_proposes_from_its_own_tree_grown_by_its_new_tokens_only():
     """A row's proposal comes from its own prompt + output (the local tree), and the tree
     grows by the tokens committed since the last step only."""
     proposer = SuffixProposer(max_tree_depth=8)
@@ -185,3 +185,25 @@ def test_forget_drops_what_was_learnt_across_requests():
     assert proposer._propose(asking, 3) == [42]
     proposer.forget()
     assert proposer._propose(type(asking)(), 3) == [] and len(proposer.global_tree) == 0
+
+
+def test_through_the_engine_an_aborted_request_never_feeds_the_global_tree(pairs, cyclic):
+    """The wiring, not only the proposer: a request aborted mid-flight (and one whose row ends
+    with an error) leaves the global tree empty; one that ends with length enters it."""
+    target, successor = cyclic
+    engine = make_engine(pairs, target_model=target, draft_model=None, proposer="suffix",
+                         num_speculative_tokens=4, adaptive_k=False)
+    engine.add_request("aborted", [3, 4, 5], SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort("aborted")
+    # only EOS allowed and EOS held back: no token is allowed, the row ends with an error
+    engine.add_request("failed", [3, 4, 5], SamplingParams(max_tokens=8, allowed_token_ids=[0],
+                                                           min_tokens=4))
+    ends = {}
+    while engine.has_unfinished():
+        ends.update({o.request_id: o.finish_reason for o in engine.step() if o.finished})
+    assert ends == {"aborted": "abort", "failed": "error"}
+    assert len(engine.proposer.global_tree) == 0
+    engine.generate([[3, 4, 5]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(engine.proposer.global_tree) == 1
