@@ -121,6 +121,9 @@ class Metrics:
         self.steps = {kind: steps(kind=kind) for kind in ("all", *STEP_KINDS)}
         self.realign_bytes = family("exspec:realign_bytes_total", C,
                                     "Bytes copied to form, split or realign groups")()
+        self.isolated_rows = family("exspec:isolated_rows_total", C,
+                                    "Rows prefilled again and stepped alone after a prefill or "
+                                    "step they shared with other rows raised")()
         self.prefix_cache = {
             "queries": family("exspec:prefix_cache_queries_total", C,
                               "Prompt tokens of admitted requests looked up in the prefix cache")(),
@@ -187,6 +190,7 @@ class Metrics:
         self.draft_tokens.increment(max(delta("draft_tokens"), 0))
         self.accepted_tokens.increment(max(delta("accepted_tokens"), 0))
         self.realign_bytes.increment(max(delta("realign_bytes"), 0))
+        self.isolated_rows.increment(max(delta("isolated_rows"), 0))
         for kind in ("queries", "hits"):
             grown = max(delta(f"prefix_cache_{kind}"), 0)
             self.prefix_cache[kind].increment(grown)

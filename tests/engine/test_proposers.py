@@ -228,3 +228,43 @@ def test_each_request_end_reaches_the_proposer_once_with_its_reason(pairs, propo
     assert dict(heard) == {"long": "length", "short": dict(heard)["short"], "aborted": "abort",
                            "failed": "error"}
     assert dict(heard)["short"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("where", ["prefill", "step"])
+def test_a_row_that_raises_fails_alone_and_its_neighbours_stay_exact(
+        pairs, reference, seeded_reference, proposer, method, where):
+    """Any exception while prefilling or stepping one row fails that row alone (fault injection:
+    a bug only one request triggers, raised as the prefill or the step's commit reaches it, after
+    the rows before it took theirs). `prefill`: the culprit arrives with five others and their
+    shared prefill raises; `step`: it arrives three ticks later and the step it shares with the
+    running rows raises mid-commit. Each neighbour keeps what it committed, is prefilled again
+    alone and stepped alone until a step succeeds, and equals target-only, greedy and seeded."""
+    name, target, _, prompts = proposer
+    innocents = prompts[:5]
+    token = next(t for t in range(1, 300) if all(t not in p for p in innocents))
+    culprit = innocents[0][:4] + [token] + innocents[1][:4]
+    key = "row_prefill_error_token" if where == "prefill" else "row_error_token"
+    engine = engine_for(pairs, proposer, method, max_batch_size=8, fault_injection={key: token})
+    ids = [f"r{i}" for i in range(len(innocents))]
+    arrivals = {0: list(zip(ids, innocents))}
+    arrivals.setdefault(0 if where == "prefill" else 3, []).append(("bad", culprit))
+    sampled = dict(zip(ids[1::2], seeded(2, max_tokens=20)))
+    params = {rid: sampled.get(rid, SamplingParams(max_tokens=20)) for rid in ids + ["bad"]}
+    outputs, finished, _ = run_schedule(engine, arrivals, {}, params)
+    label = f"{name} {method} {where}"
+    bad = finished["bad"]
+    assert bad.finish_reason == "error" and "injected fault" in bad.error, f"{label}: {bad}"
+    rows = []
+    for rid, prompt in zip(ids, innocents):
+        assert finished[rid].error is None, f"{label} {rid}: {finished[rid].error}"
+        tokens = [t for out in outputs[rid] for t in out.new_token_ids]
+        if rid in sampled:
+            rows.append((rid, prompt, params[rid], tokens, True))
+        else:
+            at = first_difference(tokens, list(reference(target, prompt, 20)))
+            assert at is None, f"{label} {rid} (greedy) differs from target-only at {at}"
+    assert_seeded_equivalent(rows, seeded_reference, target, label=label)
+    stats = engine.stats()
+    assert stats["isolated_rows"] >= len(innocents) - (where == "step"), stats["isolated_rows"]
+    assert engine.pool.num_running == 0 and not engine.pool.waiting

@@ -10,7 +10,7 @@ from serverkit import scrape, wait_for
 DESIGN_METRICS = [
     "exspec:requests_total", "exspec:prompt_tokens_total", "exspec:generation_tokens_total",
     "exspec:draft_tokens_total", "exspec:accepted_draft_tokens_total", "exspec:steps_total",
-    "exspec:realign_bytes_total", "exspec:num_requests_running", "exspec:num_requests_waiting",
+    "exspec:realign_bytes_total", "exspec:isolated_rows_total", "exspec:num_requests_running", "exspec:num_requests_waiting",
     "exspec:kv_cache_tokens", "exspec:num_speculative_tokens",
     "exspec:prefix_cache_queries_total", "exspec:prefix_cache_hits_total", "exspec:prefix_cache_blocks",
     "exspec:time_to_first_token_seconds_count", "exspec:time_per_output_token_seconds_count",

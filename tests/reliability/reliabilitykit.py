@@ -7,6 +7,7 @@ each its own stub process, so a fault in one model leaves the others alone:
              the fuzz test, and the fault-free reference for the fault tests;
 - faulty     fault_injection.forward_error_every and forward_oom_every: every N-th model forward
              raises RuntimeError, every M-th torch.OutOfMemoryError;
+- culprit    fault_injection.row_error_token: a step holding a request whose prompt has "~" raises;
 - crash      fault_injection.crash_after_ticks: the engine thread dies on its N-th tick;
 - slow       fault_injection.tick_delay_s above tick_timeout_s: the adapter's watchdog fires.
 
@@ -52,9 +53,11 @@ LIMITS = {"max_prompt_tokens": 48, "max_output_tokens": 64, "default_max_tokens"
           "max_batch_size": 2, "max_num_seqs": 2, "max_queue_len": 2, "max_request_bytes": 65536}
 _SPEC = {"method": "exspec", "num_speculative_tokens": 4, "max_batch_size": 2, "max_num_seqs": 8,
          "default_max_tokens": 8, "max_output_tokens": 256}
+CULPRIT_TOKEN = 94   # "~" in the toy tokenizer: a request holding it raises in every step
 MODELS = {
     "limits": {"method": "exspec", "num_speculative_tokens": 4, **LIMITS},
     "faulty": {**_SPEC, "fault_injection": {"forward_error_every": 150, "forward_oom_every": 230}},
+    "culprit": {**_SPEC, "fault_injection": {"row_error_token": CULPRIT_TOKEN}},
     "crash": {**_SPEC, "fault_injection": {"crash_after_ticks": 6}},
     "slow": {**_SPEC, "tick_timeout_s": 0.5, "fault_injection": {"tick_delay_s": 2.5}},
 }

@@ -41,6 +41,11 @@ class Group:
         return len({s.num_tokens for s in self.seqs}) == 1
 
     @property
+    def isolated(self) -> bool:
+        """Holds a row re-admitted after a shared failure: it steps alone (scheduler.py)."""
+        return any(s.isolated for s in self.seqs)
+
+    @property
     def max_skipped(self) -> int:
         return max(s.skipped_ticks for s in self.seqs)
 

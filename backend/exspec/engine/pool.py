@@ -119,10 +119,14 @@ class SequencePool:
                 touched += failed
                 if group is not None:
                     self.prefilling.append(group)
-        if whole:   # short prompts (past any cached prefix): one batched forward
-            counts = [s.num_prompt_tokens - s.num_cached_target for s in whole]
+        # short prompts (past any cached prefix): one batched forward; a row re-admitted
+        # after a shared failure (`_isolate`) is prefilled on its own
+        for seqs in [[s] for s in whole if s.isolated] + [[s for s in whole if not s.isolated]]:
+            if not seqs:
+                continue
+            counts = [s.num_to_prefill - s.num_cached_target for s in seqs]
             budget = None if budget is None else budget - sum(counts)
-            group, failed = self._new_group(whole)
+            group, failed = self._new_group(seqs)
             touched += failed if group is None else self._prefill(group, counts)
         due = [g for g in self.prefilling if g not in starved]
         self.chunks_due = (due, budget) if due else None
@@ -145,7 +149,7 @@ class SequencePool:
             if budget is not None and budget <= 0:
                 seq.skipped_ticks += 1
                 continue
-            left = seq.num_prompt_tokens - seq.num_cached_target
+            left = seq.num_to_prefill - seq.num_cached_target
             count = left if budget is None else min(left, budget)
             budget = None if budget is None else budget - count
             seq.skipped_ticks = 0
@@ -153,15 +157,15 @@ class SequencePool:
         return touched, budget
 
     def _new_group(self, seqs: list[Sequence]) -> tuple[Group | None, list[Touched]]:
-        """A group for admitted rows, or None and their failed outputs when its caches cannot
-        be made (they have left `waiting` already: failing them here is what keeps them from
-        being lost)."""
+        """A group for admitted rows, or None and their outputs when its caches cannot be
+        made (they have left `waiting` already: `_isolate` fails or re-queues them, so none is
+        lost)."""
         try:
             group = self.runner.new_group(seqs)
         except Exception:
             if self.prefix is not None:
                 self.prefix.drop_claims(seqs)
-            return None, self._fail(seqs, traceback.format_exc(limit=3))
+            return None, self._isolate(seqs, traceback.format_exc(limit=3))
         if self.prefix is not None:   # rows start from their cached prefix's blocks
             self.prefix.attach(group)
         return group, []
@@ -178,12 +182,13 @@ class SequencePool:
     def _prefill(self, group: Group, counts: list[int]) -> list[Touched]:
         """Feed a group the next counts[i] prompt tokens of its rows; the rows have either all
         finished their prompt after it (the group joins the running ones) or none."""
+        before = [s.num_output_tokens for s in group.seqs]
         try:
             done = self.runner.prefill(group, counts)
         except Exception:
             if group in self.prefilling:
                 self.prefilling.remove(group)
-            return self._fail(group.seqs, traceback.format_exc(limit=3))
+            return self._isolate(group.seqs, traceback.format_exc(limit=3), before)
         if self.prefix is not None:
             self.prefix.register(group)
         if not all(done):
@@ -193,8 +198,8 @@ class SequencePool:
         if group in self.prefilling:
             self.prefilling.remove(group)
         self.groups.append(group)
-        touched = [(s, s.output_ids[-1:], s.logprobs[-1:] if s.params.logprobs is not None else None)
-                   for s in group.seqs]
+        touched = [self._since(s, n) for s, n in zip(group.seqs, before)
+                   if s.num_output_tokens > n or s.finished]   # first tokens (a re-admitted row has none)
         self._retire()
         return touched
 
@@ -222,6 +227,8 @@ class SequencePool:
             seconds = time.perf_counter() - start - (self.stats.phase_seconds("prefill") - catch_up)
             self.scheduler.observe(group, k, result, seconds, self.stats.phase_seconds("draft") - drafting)
             group.steps += 1
+            for seq in seqs:
+                seq.isolated = False   # it stepped: it may share steps again
             self._retire()
             if group in self.groups:   # EQSPEC realigns now; EXSPEC's layout has nothing to move
                 with self.stats.timer("realign"):
@@ -233,17 +240,19 @@ class SequencePool:
             self.groups = [g for g in self.groups if g is not group]
             if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
                 torch.cuda.empty_cache()   # the failed group's caches are gone; give memory back
-            return self._fail(seqs, traceback.format_exc(limit=3))
+            return self._isolate(seqs, traceback.format_exc(limit=3), before)
         for other in self.groups:
             if other is not group:
                 for s in other.seqs:
                     s.skipped_ticks += 1
-        out = []
-        for seq, n_before, new in zip(seqs, before, result.committed):
+        for seq in seqs:
             seq.skipped_ticks = 0
-            lp = seq.logprobs[n_before:] if seq.params.logprobs is not None else None
-            out.append((seq, new, lp))
-        return out
+        return [self._since(s, n) for s, n in zip(seqs, before)]
+
+    @staticmethod
+    def _since(seq: Sequence, before: int) -> Touched:
+        """A row's output tokens (and logprobs, if asked for) after its first `before`."""
+        return seq, seq.output_ids[before:], seq.logprobs[before:] if seq.params.logprobs is not None else None
 
     def _retire(self) -> None:
         """Drop finished rows from their groups (and empty groups from the pool)."""
@@ -262,6 +271,31 @@ class SequencePool:
                 self.stats.add("realign_bytes", moved)
                 kept.append(group)
         return kept
+
+    def _isolate(self, seqs: list[Sequence], error: str, before: list[int] | None = None) -> list[Touched]:
+        """Making, prefilling or stepping the group of `seqs` raised `error` (`before`: their
+        output counts before it; what they committed since is theirs and goes out now, once).
+        A row alone ends with the error. Rows together may have met one row's fault (a request
+        only it triggers) or a passing one (out of memory at that batch size), and which cannot
+        be told: each unfinished row lets go of its caches and returns to the front of the
+        queue, to be prefilled again (prompt and output, `Sequence.num_to_prefill`) and stepped
+        on its own until a step succeeds (Scheduler.choose). So only a row that fails alone ends
+        with the error, and the others stay exact: their KV is computed again from the same
+        tokens, and a seeded row's noise is keyed by position (design: "Failure isolation")."""
+        before = before or [s.num_output_tokens for s in seqs]
+        alone = len(seqs) == 1
+        touched, again = [], []
+        for seq, n in zip(seqs, before):
+            if alone:
+                seq.finish("error", error)
+            elif not seq.finished:
+                seq.num_cached_target, seq.skipped_ticks, seq.isolated = 0, 0, True
+                again.append(seq)
+            if seq.num_output_tokens > n or seq.finished:
+                touched.append(self._since(seq, n))
+        self.waiting.extendleft(reversed(again))
+        self.stats.add("isolated_rows", len(again))
+        return touched
 
     def _fail(self, seqs: list[Sequence], error: str) -> list[Touched]:
         for seq in seqs:

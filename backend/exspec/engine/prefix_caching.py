@@ -44,7 +44,7 @@ class PrefixCaching:
 
     def lookup(self, seq) -> Hit:
         size = self.stores[0].prefix.block_size
-        max_blocks = (seq.num_prompt_tokens - 1) // size   # the last prompt token is fed
+        max_blocks = (seq.num_to_prefill - 1) // size   # the last prompt token is fed
         found = [store.prefix.match(seq.tokens, max_blocks) for store in self.stores]
         common = min(len(b) for b in found)
         blocks = [b[:common] for b in found]
@@ -55,7 +55,7 @@ class PrefixCaching:
 
     def claim(self, seq, hit: Hit) -> None:
         """Admitted: hold the hit's blocks and skip their prefill."""
-        self.queries += seq.num_prompt_tokens
+        self.queries += seq.num_to_prefill
         self.hits += hit.tokens
         if not hit.tokens:
             return

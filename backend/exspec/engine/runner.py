@@ -182,16 +182,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, group: Group, counts: list[int]) -> list[bool]:
-        """Feed row i its next counts[i] prompt tokens, batched, to the target and the proposer (one chunk of
-        a chunked prefill, or the whole prompt). A row that has now fed its whole prompt
-        commits its first token; returns, per row, whether it did. The logits kept are the
-        last column's: every row's last fed token (inputs are left-padded)."""
+        """Feed row i its next counts[i] prompt tokens, batched, to the target and the proposer
+        (one chunk of a chunked prefill, or the whole prompt). A row that has now fed its whole
+        prompt commits its first token; returns, per row, whether it fed all it had to (a row
+        re-admitted with output, `Sequence.num_to_prefill`, has its pending token and picks
+        none). The logits kept are the last column's: every row's last fed token (inputs are
+        left-padded)."""
         seqs = group.seqs
         with self.stats.timer("prefill"):
             starts = [s.num_cached_target for s in seqs]
             chunks = [s.tokens[n:n + c] for s, n, c in zip(seqs, starts, counts)]
-            done = [n + c == s.num_prompt_tokens for s, n, c in zip(seqs, starts, counts)]
-            rows = [i for i, d in enumerate(done) if d]
+            done = [n + c == s.num_to_prefill for s, n, c in zip(seqs, starts, counts)]
+            rows = [i for i, d in enumerate(done) if d and not seqs[i].output_ids]
             # one copy up: the chunks, and for rows that finish their prompt what picking
             # their first token needs
             upload = Upload()
@@ -206,6 +208,7 @@ class ModelRunner:
                                   decode=False)
             self.proposer.prefill(self, group.proposer_state, ragged)
             for seq, chunk in zip(seqs, chunks):
+                self.faults.before_row(seq, "row_prefill_error_token")
                 seq.num_cached_target += len(chunk)
             if rows:   # each row's last fed token is in the last column: the next position follows
                 self._first_tokens(group, logits, rows, pos[:, -1] + 1, first, sent)
@@ -419,6 +422,7 @@ class ModelRunner:
         commits up to the first such position and ends there with an error."""
         committed, accepted, target_cut = [], [], []
         for row, seq in enumerate(group.seqs):
+            self.faults.before_row(seq)
             a = min(host[row][0], verified[row])
             m = seq.num_tokens
             accepted.append(a)

@@ -88,7 +88,7 @@ class Scheduler:
             holding.append(seq)
             if hit is not None:   # its cached prefix is not fed again
                 self.prefix.claim(seq, hit)
-            left = seq.num_prompt_tokens - seq.num_cached_target
+            left = seq.num_to_prefill - seq.num_cached_target
             # whole when it fits what the tick has left; a longer prompt gets none now: its
             # chunks come from what the budget leaves once the short ones are fed (pool.py)
             count = left if budget is None or left <= budget else 0
@@ -107,6 +107,9 @@ class Scheduler:
     def choose(self, groups: list[Group]) -> Plan | None:
         if not groups:
             return None
+        alone = [g for g in groups if g.isolated]
+        if alone:   # a row re-admitted after a shared failure: stepped on its own (pool.py)
+            return Plan(alone[:1])
         if not self.exspec:   # EQSPEC: every running row in one batch
             return Plan(list(groups))
         # The group to step: one holding a sequence at the fairness bound, else the one whose

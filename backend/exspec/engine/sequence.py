@@ -36,6 +36,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.skipped_ticks = 0
+        # re-admitted after a prefill or step it shared with other rows raised: prefilled and
+        # stepped in a group of its own until a step succeeds (pool.py, "Failure isolation")
+        self.isolated = False
         # Per-draft-token acceptance, estimated from decayed counts of accepted drafts and of
         # rejections (a step with a < k drafts accepted ends in exactly one rejection).
         self.recent_accepted = 0.0
@@ -60,6 +63,13 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.num_prompt_tokens:]
+
+    @property
+    def num_to_prefill(self) -> int:
+        """Tokens the target caches before the row can step: its prompt (whose last token's
+        logits give the first output token), or, re-admitted with output already (isolated),
+        every token but the pending one."""
+        return self.num_tokens - 1 if self.output_ids else self.num_prompt_tokens
 
     @property
     def pending_token(self) -> int:

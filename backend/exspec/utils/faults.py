@@ -5,6 +5,10 @@ Nothing a client sends can turn it on. Keys (all optional):
   forward_oom_every: N      every N-th model forward raises torch.OutOfMemoryError
   tick_delay_s: S           every tick sleeps S seconds first (trips the adapter's tick_timeout_s)
   crash_after_ticks: N      the N-th tick raises EngineCrash, which no tick handler catches
+  row_error_token: T        a step of a group holding a row whose prompt contains token id T
+                            raises RuntimeError on reaching that row's commit, after the rows
+                            before it committed theirs (a bug only one request triggers)
+  row_prefill_error_token: T  the same in a prefill, after the target's forward
 """
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ import time
 
 import torch
 
-KEYS = {"forward_error_every", "forward_oom_every", "tick_delay_s", "crash_after_ticks"}
+KEYS = {"forward_error_every", "forward_oom_every", "tick_delay_s", "crash_after_ticks",
+        "row_error_token", "row_prefill_error_token"}
 
 
 class EngineCrash(BaseException):
@@ -43,6 +48,11 @@ class Faults:
         every = self.spec.get("forward_error_every")
         if every and self.forwards % every == 0:
             raise RuntimeError("injected fault: exception in a model forward")
+
+    def before_row(self, row, key: str = "row_error_token") -> None:
+        token = self.spec.get(key)
+        if token is not None and token in row.tokens[:row.num_prompt_tokens]:
+            raise RuntimeError(f"injected fault: exception on a row whose prompt holds token {token}")
 
     def before_tick(self) -> None:
         if not self.spec:
