@@ -287,3 +287,32 @@ def test_processing_bench_times_both_cells_in_one_table(capsys):
     out = capsys.readouterr().out
     assert "torch threads: 1" in out
     assert re.search(r"^\| exspec \| 2( \| [\d.]+){5} \|$", out, re.M), out
+
+
+def test_every_shipped_prompt_set_reads_and_multiturn_sets_have_later_turns():
+    from exspec.bench.cli import PROMPT_SETS, read_prompts
+    sets = {p.stem: read_prompts(p, 1000) for p in PROMPT_SETS.glob("*.jsonl")}
+    assert {"grounded", "open", "agentic", "multiturn", "code_edit"} <= set(sets)
+    for name, prompts in sets.items():
+        assert len(prompts) >= 8 and all(p.text and p.turns[0] == p.text for p in prompts), name
+        assert len({p.question_id for p in prompts}) == len(prompts), name
+    assert all(len(p.turns) == 2 for p in sets["multiturn"])
+
+
+def test_a_multi_turn_prompt_holds_the_targets_own_answer_to_the_earlier_turn(bench_inputs):
+    """What a client keeping the conversation sends: turn 1, the target's greedy answer to it
+    (generated before the run), then turn 2."""
+    import argparse
+    from exspec.bench.cli import chat_of_turns
+    from exspec.bench.methods import HFModels
+    _, args = bench_inputs
+    get = lambda flag: args[args.index(flag) + 1]   # noqa: E731
+    hf = HFModels(argparse.Namespace(target=get("--target"), draft=None, tokenizer=get("--tokenizer"),
+                                     dtype="float32", device="cpu"))
+    hf.tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+    text = chat_of_turns(hf, ["def add(a, b):", "Again, with a docstring."], 8)
+    first = hf.tokenizer.encode("<user>def add(a, b):\n<assistant>", add_special_tokens=False)
+    answer = hf.tokenizer.decode(hf.generate([first], 8)[0], skip_special_tokens=True).strip()
+    assert answer and text == (f"<user>def add(a, b):\n<assistant>{answer}\n"
+                               f"<user>Again, with a docstring.\n<assistant>")

@@ -58,8 +58,9 @@ from .paths import forward_costs
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
 SPECULATIVE = (*SPECULATIVE_METHODS, "hf_assisted")
 DRAFTED = ("eqspec", "exspec", "hf_assisted")   # the speculative methods that need a draft model
-# prompt sets shipped with the benchmark (one user turn each, our own text): "grounded" outputs
-# repeat their input (edits, answers from a passage, repeat-with-changes), "open" ones do not
+# prompt sets shipped with the benchmark (our own text): "grounded" outputs repeat their input
+# (edits, answers from a passage, repeat-with-changes), "open" ones do not; "agentic" repeats
+# earlier requests' formats, "multiturn" (two turns) the first turn's answer, "code_edit" the code
 PROMPT_SETS = Path(__file__).resolve().parent / "prompts"
 FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in range(10):\n",
                     "class Engine:\n    def __init__(self):\n", "The quick brown fox "]
@@ -67,7 +68,8 @@ FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in r
 
 # -- inputs ---------------------------------------------------------------------------------------
 def read_prompts(path: Path | None, limit: int) -> list[Prompt]:
-    """SpecBench JSONL ({"question_id", "category", "turns": [...]}); the first turn of each."""
+    """SpecBench JSONL ({"question_id", "category", "turns": [...]}): the first turn of each is
+    its text (a chat of every turn where the tokenizer has a template: `usable_prompts`)."""
     if path is None:
         return [Prompt(i, "builtin", t) for i, t in enumerate(FALLBACK_PROMPTS)][:limit]
     prompts = []
@@ -77,7 +79,8 @@ def read_prompts(path: Path | None, limit: int) -> list[Prompt]:
         row = json.loads(line)
         if not row.get("turns"):
             raise ValueError(f"{path}:{n}: no turns")
-        prompts.append(Prompt(row.get("question_id", n - 1), row.get("category", ""), row["turns"][0]))
+        prompts.append(Prompt(row.get("question_id", n - 1), row.get("category", ""), row["turns"][0],
+                              turns=list(row["turns"])))
     return prompts[:limit]
 
 
@@ -162,12 +165,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--draft", help="draft model (default: the demo pair's)")
     ap.add_argument("--tokenizer", help="tokenizer (default: the demo pair's, else the target's)")
     ap.add_argument("--prompts", type=Path, help="SpecBench JSONL (default: the demo prompts)")
-    ap.add_argument("--prompt-set", choices=("grounded", "open", "agentic"),
+    ap.add_argument("--prompt-set", choices=("grounded", "open", "agentic", "multiturn", "code_edit"),
                     help="a prompt set shipped here instead of --prompts, each turn put through "
                          "the tokenizer's chat template: grounded (outputs repeat the input: "
-                         "n-gram proposals pay), open, or agentic (JSON extraction, SQL over one "
+                         "n-gram proposals pay), open, agentic (JSON extraction, SQL over one "
                          "schema and tool calls, interleaved: outputs repeat earlier requests' "
-                         "formats, what suffix decoding's global tree learns)")
+                         "formats, what suffix decoding's global tree learns), multiturn (a "
+                         "second turn asks for the first answer again with a change; the first "
+                         "is answered by the target, greedy, before the run) or code_edit "
+                         "(rewrite the given code with one change)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("-k", type=int, default=5, help="speculative tokens (max k when adaptive)")
@@ -376,9 +382,14 @@ def usable_prompts(args, hf: HFModels) -> list[Prompt]:
     """The prompts as token ids, without those that leave no room for max_tokens and k."""
     prompts = read_prompts(args.prompts, args.num_prompts)
     if args.prompt_set and hf.tokenizer.chat_template:
+        earlier = [p for p in prompts if len(p.turns) > 1]
+        for p in tqdm(earlier, desc="earlier turns (target greedy)", unit="chat",
+                      disable=args.no_progress or not earlier):
+            p.text = chat_of_turns(hf, p.turns, args.max_tokens)
         for p in prompts:
-            p.text = hf.tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
-                                                      add_generation_prompt=True, tokenize=False)
+            if len(p.turns) <= 1:
+                p.text = hf.tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
+                                                          add_generation_prompt=True, tokenize=False)
     room = hf.max_model_len - args.max_tokens - args.k - 1
     for p in prompts:
         p.ids = hf.tokenizer.encode(p.text, add_special_tokens=False)
@@ -389,6 +400,21 @@ def usable_prompts(args, hf: HFModels) -> list[Prompt]:
     if not kept:
         raise SystemExit("exspec-bench: no usable prompts")
     return kept
+
+
+def chat_of_turns(hf: HFModels, turns: list[str], max_tokens: int) -> str:
+    """A multi-turn chat ending in its last user turn, each earlier turn answered by the
+    target's own greedy output (what a client that keeps the conversation sends: later turns
+    that ask for an answer again with a change repeat that output)."""
+    messages = []
+    for turn in turns[:-1]:
+        messages.append({"role": "user", "content": turn})
+        text = hf.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        answer = hf.generate([hf.tokenizer.encode(text, add_special_tokens=False)], max_tokens)[0]
+        messages.append({"role": "assistant",
+                         "content": hf.tokenizer.decode(answer, skip_special_tokens=True).strip()})
+    messages.append({"role": "user", "content": turns[-1]})
+    return hf.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def reference_outputs(args, hf: HFModels, prompts: list[Prompt], sampled: bool,

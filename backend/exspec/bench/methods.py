@@ -32,6 +32,7 @@ class Prompt:
     category: str
     text: str
     ids: list[int] = field(default_factory=list)
+    turns: list[str] = field(default_factory=list)   # every user turn (text: the first)
 
 
 @dataclass(frozen=True)
