@@ -175,9 +175,9 @@ def test_each_row_feeds_the_target_only_its_own_proposal(pairs, cyclic, method):
         steps[-1].append(propose(row, k))
         return steps[-1][-1]
 
-    def recording_step(group, k, stop=None):
+    def recording_step(group, k, *args):
         steps.append([])
-        return step(group, k, stop)
+        return step(group, k, *args)
 
     engine.runner.forward = counting_forward
     engine.runner.proposer._propose, engine.runner.step = recording_propose, recording_step
@@ -267,3 +267,37 @@ def test_ngram_steps_copy_once_each_way(pairs, cyclic, reference, method):
     for i in range(0, 6, 2):   # the greedy rows: target-only output
         tokens = [t for out in outputs[f"r{i}"] for t in out.new_token_ids]
         assert tokens == reference(target, prompts[i], params[f"r{i}"].max_tokens), f"r{i}"
+
+
+def priced_adaptive(keeping: int, gamma: float = 0.5) -> AdaptiveK:
+    """AdaptiveK after steps of 8 rows at k = 3 on a verifier whose plain step costs 1 s and each
+    more verified column `gamma` s, where every row proposes 3 tokens and `keeping` rows of 8
+    keep them all, the others none."""
+    adaptive = AdaptiveK(5)
+    for _ in range(20):
+        adaptive.observe(8, 3, 1.0 + gamma * 3, 0.0, [3] * keeping + [0] * (8 - keeping), [3] * 8)
+    adaptive.observe(8, 0, 1.0, 0.0, [0] * 8)   # one plain step prices the width
+    return adaptive
+
+
+def test_proposals_known_before_the_step_are_verified_only_as_wide_as_pays():
+    """AdaptiveK.width, for lookup proposers: each row commits its pending token at any width,
+    so two rows of eight proposing one token they keep a quarter of the time do not pay for a
+    column costing half a step (a plain step instead), and all eight proposing tokens they keep
+    7 times in 8 do; before plain decoding is measured (width unpriced) proposals go whole."""
+    assert AdaptiveK(5).width(8, [1, 0, 3]) == 3
+    weak = priced_adaptive(keeping=2)
+    assert weak.width_cost(8) == pytest.approx(0.5)
+    assert weak.kept_hazards()[0] == pytest.approx(0.75, abs=0.02)
+    assert weak.width(8, [1, 1, 0, 0, 0, 0, 0, 0]) == 0
+    strong = priced_adaptive(keeping=7)
+    assert strong.width(8, [3] * 8) == 3
+    assert strong.width(8, [3, 1] + [0] * 6) == 0, "two proposing rows of eight: a column costs more"
+    cheap = priced_adaptive(keeping=7, gamma=0.02)   # a memory-bound verifier: width nearly free
+    assert cheap.width(8, [3, 1] + [0] * 6) == 3
+
+
+def test_a_width_cut_to_plain_is_probed_again_more_rarely_each_time():
+    weak = priced_adaptive(keeping=2)
+    widths = [weak.width(8, [2] + [0] * 7) for _ in range(8 + 16 + 1)]
+    assert widths.count(2) == 2 and widths[7] == 2 and widths[23] == 2, widths

@@ -164,10 +164,10 @@ def test_no_sequence_waits_longer_than_the_fairness_bound(pairs):
 def test_a_failing_group_fails_alone(pairs, reference, monkeypatch):
     original = ModelRunner.step
 
-    def flaky(self, group, k, stop=None):
+    def flaky(self, group, k, *args):
         if any(s.request_id == "poison" for s in group.seqs):
             raise RuntimeError("injected forward failure")
-        return original(self, group, k, stop)
+        return original(self, group, k, *args)
 
     monkeypatch.setattr(ModelRunner, "step", flaky)
     engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2, max_num_seqs=8)

@@ -54,8 +54,8 @@ def recorded_steps(engine: LLMEngine) -> list[list[int]]:
     """Accepted drafts per row of every step the engine takes from now on."""
     accepted, step = [], engine.runner.step
 
-    def recording(group, k, stop=None):
-        result = step(group, k, stop)
+    def recording(group, k, *args):
+        result = step(group, k, *args)
         accepted.append(result.num_accepted)
         return result
     engine.runner.step = recording

@@ -49,6 +49,11 @@ class AdaptiveK:
     guess still lost to 1.66 tokens per step). Speculation is probed again after
     PROBE_EVERY plain steps, at the k most likely to pay, and twice as rarely each time a probe
     leads back to plain decoding.
+    Where proposals are known before the step (a lookup proposer: rows propose different
+    lengths, many none), `width` then prices the step's actual proposals: the verified width
+    that commits the most tokens per second, each row's proposal kept to it. Its acceptance per
+    depth is counted over proposals alone (`kept_hazards`: whether the j-th proposed token is
+    kept, given the row proposed it), since the rows without a proposal are known this time.
     """
 
     # hysteresis: change k only for a 3% better expected rate. A step at another k costs nothing
@@ -78,6 +83,12 @@ class AdaptiveK:
         # rows that rejected it
         self.verified = [0.0] * max_k
         self.rejected = [0.0] * max_k
+        # the same over proposed tokens alone (depth j counted only where a row proposed j)
+        self.proposed_verified = [0.0] * max_k
+        self.proposed_rejected = [0.0] * max_k
+        # `width`'s own probe: steps in a row it cut to plain although rows proposed
+        self.width_probe_every = self.PROBE_EVERY
+        self.cut_to_plain = 0
 
     @property
     def acceptance(self) -> float:
@@ -117,13 +128,47 @@ class AdaptiveK:
             return None
         return max(0.0, (1.0 / self.plain[bucket] - 1.0) / at)
 
-    def hazards(self, acceptance: float) -> list[float]:
+    def hazards(self, acceptance: float, verified=None, rejected=None) -> list[float]:
         """h_1 .. h_max_k: each depth's measured rejection share, shrunk toward the depth before."""
         out, prior = [], 1.0 - min(max(acceptance, 0.0), 0.999)
-        for verified, rejected in zip(self.verified, self.rejected):
-            prior = (rejected + self.PRIOR_ROWS * prior) / (verified + self.PRIOR_ROWS)
+        for v, r in zip(verified or self.verified, rejected or self.rejected):
+            prior = (r + self.PRIOR_ROWS * prior) / (v + self.PRIOR_ROWS)
             out.append(prior)
         return out
+
+    def kept_hazards(self) -> list[float]:
+        """Per depth j, the share of proposed j-th tokens (their row kept the ones before) that
+        were rejected: `hazards` over proposals alone."""
+        return self.hazards(self.acceptance, self.proposed_verified, self.proposed_rejected)
+
+    def width(self, batch: int, lengths: list[int]) -> int:
+        """The verified width for proposals of these lengths (per row; a lookup proposer's)
+        that commits the most tokens per second: at width w row r commits 1 + S_1 + ... +
+        S_min(w, len_r), S_j the chance its first j proposed tokens are kept (`kept_hazards`),
+        for the step's cost at w; 0 is a plain step. Before the width is priced (plain decoding
+        unmeasured at this bucket) every proposal is verified whole. A step cut to plain
+        although rows proposed teaches nothing, so after `width_probe_every` of them in a row
+        one is verified whole (twice as rarely each time, as `choose` probes)."""
+        top = max(lengths, default=0)
+        bucket = self._measured(batch)
+        if top == 0 or bucket is None or self.width_cost(bucket) is None:
+            return top
+        survive, s = [], 1.0
+        for h in self.kept_hazards()[:top]:
+            s *= 1.0 - h
+            survive.append(s)
+        reach = [sum(survive[:j]) for j in range(top + 1)]   # expected kept of a proposal cut to j
+        rates = [sum(1.0 + reach[min(w, n)] for n in lengths) / self.cost(batch, w)
+                 for w in range(top + 1)]
+        best = max(range(top + 1), key=rates.__getitem__)
+        if best > 0:
+            self.cut_to_plain, self.width_probe_every = 0, self.PROBE_EVERY
+            return best
+        self.cut_to_plain += 1
+        if self.cut_to_plain >= self.width_probe_every:
+            self.cut_to_plain, self.width_probe_every = 0, min(2 * self.width_probe_every, 256)
+            return top
+        return 0
 
     def tokens_by_k(self, acceptance: float) -> list[float]:
         """Tokens a row-step commits at k = 0 .. max_k: 1 + the chances that drafts 1 .. k survive."""
@@ -179,14 +224,18 @@ class AdaptiveK:
         # depths beyond k measured an older regime: they fade faster than verified ones
         decays = [(self.HAZARD_DECAY if j < k else self.STALE_DECAY) ** len(accepted)
                   for j in range(self.max_k)]
-        self.verified = [d * v for d, v in zip(decays, self.verified)]
-        self.rejected = [d * r for d, r in zip(decays, self.rejected)]
+        for counts in (self.verified, self.rejected, self.proposed_verified, self.proposed_rejected):
+            counts[:] = [d * c for d, c in zip(decays, counts)]
         for a, n in zip(accepted, proposed):
             # drafts 1 .. a+1 were verified (depth n + 1 of a short proposal: nothing to accept)
             for j in range(min(a + 1, k)):
                 self.verified[j] += 1.0
             if a < k:
                 self.rejected[a] += 1.0
+            for j in range(min(a + 1, n)):   # of what the row proposed
+                self.proposed_verified[j] += 1.0
+            if a < n:
+                self.proposed_rejected[a] += 1.0
 
 
 def _ema(table: dict, key, value: float, weight: float) -> None:

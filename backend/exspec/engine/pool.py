@@ -222,7 +222,8 @@ class SequencePool:
             # by the time it returns its GPU work is done.
             start = time.perf_counter()
             catch_up, drafting = (self.stats.phase_seconds(p) for p in ("prefill", "draft"))
-            result = self.runner.step(group, k, self.scheduler.stop_for(group, k))
+            result = self.runner.step(group, k, self.scheduler.stop_for(group, k),
+                                      self.scheduler.width_for(group))
             # the step's cost at this k, without a one-off draft catch-up prefill
             seconds = time.perf_counter() - start - (self.stats.phase_seconds("prefill") - catch_up)
             self.scheduler.observe(group, k, result, seconds, self.stats.phase_seconds("draft") - drafting)

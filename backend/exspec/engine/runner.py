@@ -262,13 +262,15 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, group: Group, k: int, stop: list[float] | None = None) -> StepResult:
+    def step(self, group: Group, k: int, stop: list[float] | None = None,
+             width_for=None) -> StepResult:
         """One speculative step at k (0: plain): propose, verify, accept, commit. `stop`
         (draft_stop.py), per draft depth 1 .. k-1: a confidence below which, in every row, the
         round ends after that draft; with it the draft's confidences are measured and returned
-        (a host read per draft token)."""
+        (a host read per draft token). `width_for`: proposal lengths known on the host -> the
+        width to verify (AdaptiveK.width)."""
         seqs, state = group.seqs, group.proposer_state
-        plan = self.proposer.plan(self, seqs, k)
+        plan = self.proposer.plan(self, seqs, k, width_for)
         inputs = self._upload_step_inputs(group, plan)
         rows = group.sampling
         coupled = self._coupled(rows)

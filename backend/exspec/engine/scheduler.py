@@ -141,6 +141,12 @@ class Scheduler:
             k = self.adaptive.choose(group, k)
         return k
 
+    def width_for(self, group: Group):
+        """How a step prices proposals known before it (AdaptiveK.width), or None: fixed k."""
+        if self.adaptive is None:
+            return None
+        return lambda lengths: self.adaptive.width(len(group), lengths)
+
     def stop_for(self, group: Group, k: int) -> list[float] | None:
         """The step's draft-stop thresholds per draft depth 1 .. k-1 (None: no stop)."""
         if self.draft_stop is None or k < 2:

@@ -18,7 +18,7 @@ class LookupProposer(Proposer):
         """Up to k tokens for this row; [] for none."""
         raise NotImplementedError
 
-    def plan(self, runner: Runner, seqs, k: int) -> Plan:
+    def plan(self, runner: Runner, seqs, k: int, width_for=None) -> Plan:
         if k == 0:
             return Plan(0, [0] * len(seqs))
         with runner.stats.timer("draft"):
@@ -27,7 +27,11 @@ class LookupProposer(Proposer):
             proposals = [p if s.grammar is None else p[:s.grammar.valid_prefix(p)]
                          for s, p in zip(seqs, proposals)]
         width = max(map(len, proposals))
-        if width == 0:   # no row found a match: a plain step
+        if width and width_for is not None:   # priced: what pays of the rows' proposals
+            width = width_for([len(p) for p in proposals])
+            runner.stats.add("cut_proposal_tokens", sum(max(0, len(p) - width) for p in proposals))
+            proposals = [p[:width] for p in proposals]
+        if width == 0:   # no row found a match, or none that pays: a plain step
             return Plan(0, [0] * len(seqs))
         return Plan(width, [len(p) for p in proposals], proposals)
 

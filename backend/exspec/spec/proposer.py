@@ -19,7 +19,7 @@ keeps, merges and realigns it with its own rows. Its capabilities (`proposes`,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -159,8 +159,11 @@ class Proposer:
     def prefill(self, runner: Runner, state, ragged: tuple) -> None:
         """Feed prompt tokens (`ragged`: ids, positions, validity, counts, as the target got them)."""
 
-    def plan(self, runner: Runner, seqs: list[Row], k: int) -> Plan:
-        """The step's width and caps; a host proposer proposes here."""
+    def plan(self, runner: Runner, seqs: list[Row], k: int,
+             width_for: Callable[[list[int]], int] | None = None) -> Plan:
+        """The step's width and caps; a host proposer proposes here, and with `width_for`
+        (adaptive k's pricing of the rows' proposal lengths) keeps each proposal to the width
+        it returns."""
         width = k if self.proposes else 0
         return Plan(width, [s.drafts_at(width) for s in seqs])
 

@@ -15,7 +15,8 @@ import torch
 COUNTERS = ("steps", "equal_length_steps", "realign_steps", "plain_steps", "sticky_steps",
             "draft_stopped_steps",
             "draft_tokens", "accepted_tokens", "committed_tokens", "row_steps",
-            "prefill_tokens_target", "prefill_tokens_draft", "realign_bytes", "isolated_rows")
+            "prefill_tokens_target", "prefill_tokens_draft", "realign_bytes", "isolated_rows",
+            "cut_proposal_tokens")
 PHASES = ("schedule", "prefill", "draft", "verify", "realign", "step")
 
 
