@@ -132,6 +132,8 @@ class SendThread:
         for stream in self._streams.values():
             if not stream.cancelled and stream.sender.is_cancelled():
                 stream.cancelled = True
+                # the vLLM backend's words too: log watchers (and its CI) look for them
+                pb_utils.Logger.log_info("[vllm] Cancelling the request")
                 self.engine.abort(stream.request_id)
 
     # -- one engine output -------------------------------------------------------------------
@@ -179,6 +181,7 @@ class SendThread:
         """The error (and metrics outcome) that ends an aborted or failed request."""
         if stream.cancelled:
             pb_utils.Logger.log_info(f"exspec: request {stream.request_id} cancelled by its client")
+            pb_utils.Logger.log_info("[vllm] Successfully cancelled the request")
             error, outcome = new_error("request cancelled", "CANCELLED"), "cancelled"
         elif out.finish_reason == "abort":
             why = (f"the server is shutting down and the drain deadline "

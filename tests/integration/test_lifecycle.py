@@ -36,6 +36,8 @@ def test_cancelled_stream_stops_and_frees_the_pool(server):
     assert generated < 480, f"the cancelled request ran to the end ({generated} tokens)"
     wait_for(lambda: "cancelled by its client" in Path(server.log_path).read_text(errors="replace"),
              what="the cancel to be logged")
+    log = Path(server.log_path).read_text(errors="replace")   # and in the vLLM backend's words
+    assert "[vllm] Cancelling the request" in log and "[vllm] Successfully cancelled the request" in log
     # and the server carries on
     (call,) = grpc_stream(server.urls["grpc"], "exspec", [{"prompt": "hello",
                                                            "sampling": {"max_tokens": 4}}])
