@@ -301,3 +301,21 @@ def test_a_width_cut_to_plain_is_probed_again_more_rarely_each_time():
     weak = priced_adaptive(keeping=2)
     widths = [weak.width(8, [2] + [0] * 7) for _ in range(8 + 16 + 1)]
     assert widths.count(2) == 2 and widths[7] == 2 and widths[23] == 2, widths
+
+
+def test_a_probe_after_plain_steps_verifies_proposals_whole():
+    """Adaptive k's probe (a speculative step after plain ones) is there to measure: the width
+    is not priced for it, else a pessimistic price would cut every probe to plain and never
+    learn otherwise."""
+    from exspec.config import EngineConfig
+    from exspec.engine.group import Group
+    from exspec.engine.scheduler import Scheduler
+    from exspec.spec.ngram import NgramProposer
+    config = EngineConfig(target_model="t", draft_model=None, proposer="ngram", method="exspec",
+                          adaptive_k=True)
+    scheduler = Scheduler(config, NgramProposer(2, 3))
+    group = Group([], None, None)
+    group.k = 3
+    assert scheduler.width_for(group) is not None
+    group.k = 0
+    assert scheduler.width_for(group) is None

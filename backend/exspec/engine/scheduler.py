@@ -142,8 +142,10 @@ class Scheduler:
         return k
 
     def width_for(self, group: Group):
-        """How a step prices proposals known before it (AdaptiveK.width), or None: fixed k."""
-        if self.adaptive is None:
+        """How a step prices proposals known before it (AdaptiveK.width), or None: fixed k, or
+        the first speculative step after a plain one (adaptive k's probe: it is there to measure,
+        so it verifies the proposals whole)."""
+        if self.adaptive is None or group.k == 0:
             return None
         return lambda lengths: self.adaptive.width(len(group), lengths)
 
