@@ -319,3 +319,18 @@ def test_a_probe_after_plain_steps_verifies_proposals_whole():
     assert scheduler.width_for(group) is not None
     group.k = 0
     assert scheduler.width_for(group) is None
+
+
+def test_proposals_are_priced_by_their_own_length():
+    """A lookup proposer proposes long where it is sure: here one row of eight proposes 5 tokens
+    and keeps them all, seven propose 1 and lose it; each more verified column costs 5% of a
+    plain step. Priced at one rate for every length (7 of 8 first tokens lost) the long proposal
+    would be cut to plain; priced by its length it is verified whole, and a lone one-token
+    proposal is still cut."""
+    adaptive = AdaptiveK(5)
+    for _ in range(20):
+        adaptive.observe(8, 5, 1.0 + 0.05 * 5, 0.0, [5] + [0] * 7, [5] + [1] * 7)
+    adaptive.observe(8, 0, 1.0, 0.0, [0] * 8)
+    assert adaptive.kept_hazards()[0] > 0.8 and adaptive.kept_hazards(5)[0] < 0.25
+    assert adaptive.width(8, [5] + [0] * 7) == 5
+    assert adaptive.width(8, [1] + [0] * 7) == 0
