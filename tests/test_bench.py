@@ -316,3 +316,15 @@ def test_a_multi_turn_prompt_holds_the_targets_own_answer_to_the_earlier_turn(be
     answer = hf.tokenizer.decode(hf.generate([first], 8)[0], skip_special_tokens=True).strip()
     assert answer and text == (f"<user>def add(a, b):\n<assistant>{answer}\n"
                                f"<user>Again, with a docstring.\n<assistant>")
+
+
+def test_draft_stop_reaches_the_engine_cells(bench_inputs):
+    """--draft-stop sets model.json's draft_stop_confidence of every engine cell (0: off)."""
+    from exspec.bench.cli import parse_args
+    from exspec.bench.methods import CellKey, EngineMethod
+    _, args = bench_inputs
+    for flag, expected, stops in (("0", 0.0, False), ("auto", "auto", True)):
+        parsed = parse_args(list(args) + ["--draft-stop", flag])
+        cell = EngineMethod(CellKey("exspec", 1, 3, True, None), parsed, 2)
+        assert cell.engine.config.draft_stop_confidence == expected
+        assert (cell.engine.pool.scheduler.draft_stop is not None) == stops

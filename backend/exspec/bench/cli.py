@@ -66,6 +66,10 @@ FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in r
                     "class Engine:\n    def __init__(self):\n", "The quick brown fox "]
 
 
+def _draft_stop(value: str):
+    return value if value == "auto" else float(value)
+
+
 # -- inputs ---------------------------------------------------------------------------------------
 def read_prompts(path: Path | None, limit: int) -> list[Prompt]:
     """SpecBench JSONL ({"question_id", "category", "turns": [...]}): the first turn of each is
@@ -186,6 +190,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help=f"comma list of {', '.join(METHODS)} (default: all but the *_suffix "
                     "ones, whose global tree needs a workload that repeats across requests)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--draft-stop", type=_draft_stop, default=None, metavar="auto|C",
+                    help="adaptive k's draft stop (model.json draft_stop_confidence): auto, or a "
+                         "confidence in [0, 1), 0 = off (default: the engine's, auto on CPU)")
     ap.add_argument("--interleave", choices=("tick", "run"), default="tick",
                     help="tick (default): each repeat runs its cells side by side, one tick (an "
                          "engine step, a Hugging Face generate call) of each in turn, each tick "
@@ -351,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
               "dtype": args.dtype, "threads": args.threads, "greedy": not sampled,
               "temperature": args.temperature, "top_p": args.top_p,
               "seed": args.seed if sampled else None,
-              "sampling_couplings": couplings if sampled else None,
+              "sampling_couplings": couplings if sampled else None, "draft_stop": args.draft_stop,
               "ideal_cache_len": typical, "wall_s": round(time.perf_counter() - began, 1),
               "runs_wall_s": round(bench_seconds, 1)}
     results = {"schema": 1, "command": command, "machine": machine_info(args, costs),

@@ -122,7 +122,8 @@ class EngineMethod(Method):
             num_speculative_tokens=key.k, adaptive_k=bool(key.adaptive_k),
             max_batch_size=key.batch_size, max_num_seqs=max(key.batch_size, num_prompts),
             device=args.device, dtype=args.dtype, torch_threads=args.threads,
-            sampling_coupling=key.coupling or "gumbel", enforce_eager=key.path == "eager"),
+            sampling_coupling=key.coupling or "gumbel", enforce_eager=key.path == "eager",
+            draft_stop_confidence=args.draft_stop),
             pair=self.shared_pair(args, drafted))
         self.warm_up = self.engine.warm_up   # compiled path: graphs and seconds
         self.sampling = dict(temperature=args.temperature, top_p=args.top_p)
