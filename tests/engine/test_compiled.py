@@ -78,7 +78,7 @@ def test_compiled_path_matches_target_greedy(pairs, reference, arch, batch, k, m
 
 def test_compiled_rounds_stopped_at_an_unsure_draft_match_target_greedy(pairs, reference, monkeypatch):
     """Adaptive k's confidence stop on the compiled path: shorter rounds, the same tokens."""
-    monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap: cap)
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap, *rest: cap)
     prompts = [p for p in make_prompts(320, pairs["gpt2", "eos"], seed=31, count=6) if len(p) > 1]
     refs = [reference(pairs["gpt2", "target"], p, 16) for p in prompts]
     assert_no_ties(pairs["gpt2", "target"], prompts, refs)

@@ -84,7 +84,7 @@ def test_rounds_stopped_at_an_unsure_draft_match_target_greedy(pairs, reference,
     """Adaptive k's confidence stop: a round of drafts ends at a draft token its draft gives
     less than draft_stop_confidence, and the target verifies the shorter round. k is pinned at
     its cap (the choice is not under test); the threshold stops some rounds mid-way, not all."""
-    monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap: cap)
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap, *rest: cap)
     prompts = make_prompts(320, pairs["gpt2", "eos"], seed=41, count=12)
     max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
     engine = make_engine(pairs, "gpt2", "noisy", method=method, adaptive_k=True,
@@ -106,7 +106,7 @@ def test_auto_draft_stop_calibrates_on_every_verified_draft_and_matches_target_g
     or not: where auto stops depends on measured step times), and outputs stay the target's
     greedy ones."""
     from exspec.spec.draft_stop import DraftStop
-    monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap: cap)
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap, *rest: cap)
     monkeypatch.setattr(DraftStop, "DECAY", 1.0)
     prompts = make_prompts(320, pairs["gpt2", "eos"], seed=43, count=8)
     max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]

@@ -334,3 +334,18 @@ def test_proposals_are_priced_by_their_own_length():
     assert adaptive.kept_hazards()[0] > 0.8 and adaptive.kept_hazards(5)[0] < 0.25
     assert adaptive.width(8, [5] + [0] * 7) == 5
     assert adaptive.width(8, [1] + [0] * 7) == 0
+
+
+def test_with_proposals_known_before_the_step_k_is_only_the_rows_cap():
+    """Per step (a lookup proposer), adaptive k leaves the pricing to `width` and k is the cap:
+    one plain step first measures plain decoding at the bucket, then k stays at the cap even
+    where rows keep little (the group-level choice would fall to plain: `width` cuts what does
+    not pay, proposal by proposal)."""
+    weak = AdaptiveK(5)
+    for _ in range(20):
+        weak.observe(8, 3, 2.5, 0.0, [0] * 8, [3] + [0] * 7)
+    assert weak.choose(G(8, 3, weak.acceptance), 5, per_step=True) == 0, "plain unmeasured: measure it"
+    weak.observe(8, 0, 1.0, 0.0, [0] * 8)
+    assert weak.choose(G(8, 3, weak.acceptance), 5) == 0
+    assert weak.choose(G(8, 3, weak.acceptance), 5, per_step=True) == 5
+    assert weak.width(8, [3] + [0] * 7) == 0

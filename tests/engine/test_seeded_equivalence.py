@@ -76,7 +76,7 @@ def test_any_k_schedule_gives_the_same_tokens(pairs, seeded_reference, monkeypat
 def test_rounds_stopped_at_an_unsure_draft_keep_seeded_output(pairs, seeded_reference, monkeypatch):
     """Adaptive k's confidence stop under the gumbel coupling: a round that ends early
     verifies fewer positions, each with its own noise, so the tokens stay the target's."""
-    monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap: cap)
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap, *rest: cap)
     prompts = make_prompts(320, pairs["gpt2", "eos"], seed=43, count=10)
     params = seeded_params(len(prompts), first_seed=11)
     engine = make_engine(pairs, "gpt2", "noisy", method="exspec", max_batch_size=4,

@@ -36,6 +36,7 @@ class Scheduler:
         self.config = config
         self.prefix = prefix   # shared blocks count once (prefix_caching.py)
         self.speculative = proposer.proposes and config.speculative
+        self.per_step = proposer.proposes_on_host   # adaptive k prices each step's proposals
         self.exspec = config.method == "exspec"
         self.adaptive = AdaptiveK(config.num_speculative_tokens) if (
             self.speculative and config.adaptive_k) else None
@@ -138,7 +139,7 @@ class Scheduler:
         # depend on the other rows of its group.)
         k = max(0, min(k, min(s.max_model_len - s.num_tokens for s in group.seqs)))
         if self.adaptive is not None and k > 0:
-            k = self.adaptive.choose(group, k)
+            k = self.adaptive.choose(group, k, self.per_step)
         return k
 
     def width_for(self, group: Group):

@@ -13,6 +13,7 @@ from .proposer import Plan, Proposal, Proposer, Row, Runner, StepState
 
 class LookupProposer(Proposer):
     proposes = True
+    proposes_on_host = True
 
     def _propose(self, row: Row, k: int) -> list[int]:
         """Up to k tokens for this row; [] for none."""
