@@ -54,13 +54,12 @@ class AdaptiveK:
     proposals instead: the verified width that commits the most tokens per second, each row's
     proposal kept to it (choosing one k for the group as well capped long, sure proposals at the
     k that short ones and rows without a match pulled down: suffix decoding on the two-turn set
-    at B = 8 ran at 0.93 of fixed k = 5, accepted length 3.23 vs 3.52). Its acceptance per
-    depth is counted over proposals alone (`kept_hazards`: whether the j-th proposed token is
-    kept, given the row proposed it), since the rows without a proposal are known this time, and
-    per proposal length: a lookup proposer proposes long where its match is long or its tree
-    sure (suffix decoding: the multi-turn set at B = 8 kept 0.79 of its drafts, and priced at one
-    rate for every length its long proposals were cut, 2.03x autoregressive against fixed k's
-    2.15x).
+    at B = 8 ran at 0.93 of fixed k = 5, accepted length 3.23 vs 3.52; priced per step, 0.99).
+    Its acceptance per depth is counted over proposals alone (`kept_hazards`: whether the j-th
+    proposed token is kept, given the row proposed it), since the rows without a proposal are
+    known this time, and per proposal length, shrunk toward all lengths': a lookup proposer
+    proposes long where its match is long or its tree sure, and one rate for every length would
+    cut a sure long proposal at the rate of short guesses.
     """
 
     # hysteresis: change k only for a 3% better expected rate. A step at another k costs nothing
