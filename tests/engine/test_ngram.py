@@ -304,8 +304,9 @@ def test_a_width_cut_to_plain_is_probed_again_more_rarely_each_time():
 
 
 def test_a_probe_after_plain_steps_verifies_proposals_whole():
-    """Adaptive k's probe (a speculative step after plain ones) is there to measure: the width
-    is not priced for it, else a pessimistic price would cut every probe to plain and never
+    """The first speculative step after a plain one (with a draft model adaptive k's probe;
+    with lookup proposals the step after the one that measures plain decoding) is there to
+    measure: its width is not priced, else a pessimistic price would cut it to plain and never
     learn otherwise."""
     from exspec.config import EngineConfig
     from exspec.engine.group import Group

@@ -143,12 +143,13 @@ class AdaptiveK:
             out.append(prior)
         return out
 
-    def kept_hazards(self, length: int | None = None) -> list[float]:
+    def kept_hazards(self, length: int | None = None, pooled: list[float] | None = None) -> list[float]:
         """Per depth j, the share of proposed j-th tokens (their row kept the ones before) that
         were rejected: `hazards` over proposals alone; of proposals of this length, shrunk
-        toward all lengths' by PRIOR_ROWS pseudo row-steps."""
-        pooled = self.hazards(self.acceptance, [sum(c) for c in zip(*self.proposed_verified)],
-                              [sum(c) for c in zip(*self.proposed_rejected)])
+        toward all lengths' (`pooled`, when the caller has them) by PRIOR_ROWS pseudo row-steps."""
+        if pooled is None:
+            pooled = self.hazards(self.acceptance, [sum(c) for c in zip(*self.proposed_verified)],
+                                  [sum(c) for c in zip(*self.proposed_rejected)])
         if length is None:
             return pooled
         return [(r + self.PRIOR_ROWS * h) / (v + self.PRIOR_ROWS) for v, r, h in
@@ -158,8 +159,7 @@ class AdaptiveK:
         """The verified width for proposals of these lengths (per row; a lookup proposer's)
         that commits the most tokens per second: at width w row r commits 1 + S_1 + ... +
         S_min(w, len_r), S_j the chance its first j proposed tokens are kept (`kept_hazards` of
-        its length),
-        for the step's cost at w; 0 is a plain step. Before the width is priced (plain decoding
+        its length), for the step's cost at w; 0 is a plain step. Before the width is priced (plain decoding
         unmeasured at this bucket) every proposal is verified whole. A step cut to plain
         although rows proposed teaches nothing, so after `width_probe_every` of them in a row
         one is verified whole (twice as rarely each time, as `choose` probes)."""
@@ -167,10 +167,11 @@ class AdaptiveK:
         bucket = self._measured(batch)
         if top == 0 or bucket is None or self.width_cost(bucket) is None:
             return top
+        pooled = self.kept_hazards()
         reach = {}   # per length n: expected tokens kept of such a proposal cut to 0 .. n
         for n in set(lengths) - {0}:
             survive, s = [0.0], 1.0
-            for h in self.kept_hazards(n)[:n]:
+            for h in self.kept_hazards(n, pooled)[:n]:
                 s *= 1.0 - h
                 survive.append(survive[-1] + s)
             reach[n] = survive
@@ -198,8 +199,11 @@ class AdaptiveK:
         """The group's k. `per_step`: proposals are known before each step (a lookup
         proposer), so `width` prices them step by step and k is only each row's cap: the cap,
         but for the one plain step that measures plain decoding at a bucket."""
-        acceptance = group.acceptance(self.acceptance)
         batch = len(group)
+        here = self.bucket(batch)
+        if per_step:   # nothing to weigh here: `width` prices each step
+            return 0 if here in self.rest and here not in self.plain else cap
+        acceptance = group.acceptance(self.acceptance)
         current = min(group.k if group.k is not None else cap, cap)
         tokens = self.tokens_by_k(acceptance)
         costs = [self.cost(batch, k) for k in range(cap + 1)]
@@ -211,11 +215,8 @@ class AdaptiveK:
             # re-measure acceptance now and then, more rarely each time, at the k most likely
             # to pay (at low acceptance the cheapest probe, k = 1)
             return max(range(1, cap + 1), key=rates.__getitem__)
-        here = self.bucket(batch)
         if here in self.rest and here not in self.plain:
             return 0   # plain decoding, unmeasured at this bucket: one step measures it
-        if per_step:
-            return cap
         best = max(range(cap + 1), key=rates.__getitem__)
         choice = best if rates[best] > rates[current] * self.GAIN_TO_SWITCH else current
         if choice > 0 and current > 0:
