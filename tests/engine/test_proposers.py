@@ -268,3 +268,47 @@ def test_a_row_that_raises_fails_alone_and_its_neighbours_stay_exact(
     stats = engine.stats()
     assert stats["isolated_rows"] >= len(innocents) - (where == "step"), stats["isolated_rows"]
     assert engine.pool.num_running == 0 and not engine.pool.waiting
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_rows_waiting_to_be_prefilled_again_can_be_aborted_and_new_ones_arrive(
+        pairs, reference, proposer, method):
+    """The hard moment of failure isolation: right after a shared step raised, its rows wait at
+    the front of the queue to be prefilled again. An abort then ends that row at once (no token
+    after it, one final output), a request arriving then is served beside the recovering rows,
+    and every other row still equals target-only greedy."""
+    name, target, _, prompts = proposer
+    innocents = prompts[:4]
+    token = next(t for t in range(1, 300) if all(t not in p for p in innocents + prompts[4:6]))
+    culprit = innocents[0][:4] + [token] + innocents[1][:4]
+    engine = engine_for(pairs, proposer, method, max_batch_size=8,
+                        fault_injection={"row_error_token": token})
+    params = SamplingParams(max_tokens=20)
+    ids = [f"r{i}" for i in range(len(innocents))]
+    for rid, prompt in zip(ids + ["bad"], innocents + [culprit]):
+        engine.add_request(rid, prompt, params)
+    outputs, aborted_tokens = {}, None
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        if aborted_tokens is None and engine.pool.waiting and engine.pool.waiting[0].isolated:
+            waiting = [s.request_id for s in engine.pool.waiting if s.isolated]
+            assert "r3" in waiting, waiting
+            engine.abort("r3")   # while it waits to be prefilled again
+            aborted_tokens = sum(len(o.new_token_ids) for o in outputs.get("r3", []))
+            engine.add_request("late", prompts[4], params)
+    label = f"{name} {method}"
+    assert aborted_tokens is not None, f"{label}: no row was ever waiting to be prefilled again"
+    finals = {rid: [o for o in outs if o.finished] for rid, outs in outputs.items()}
+    assert all(len(f) == 1 for f in finals.values()), f"{label}: final outputs {finals}"
+    assert finals["bad"][0].finish_reason == "error"
+    r3 = [t for o in outputs["r3"] for t in o.new_token_ids]
+    assert finals["r3"][0].finish_reason == "abort" and len(r3) == aborted_tokens, label
+    assert r3 == list(reference(target, innocents[3], 20))[:len(r3)], f"{label}: r3 before its abort"
+    for rid, prompt in zip(ids[:3] + ["late"], innocents[:3] + [prompts[4]]):
+        tokens = [t for o in outputs[rid] for t in o.new_token_ids]
+        assert finals[rid][0].error is None, f"{label} {rid}: {finals[rid][0].error}"
+        assert tokens == list(reference(target, prompt, 20)), f"{label} {rid} differs from target-only"
+    assert engine.pool.num_running == 0 and not engine.pool.waiting
