@@ -14,7 +14,7 @@ from .vllm_args import translate
 log = logging.getLogger("exspec")
 
 METHODS = ("exspec", "eqspec", "autoregressive")
-PROPOSERS = ("draft_model", "ngram", "suffix")   # vLLM's speculative_config methods exspec runs
+PROPOSERS = ("draft_model", "eagle3", "ngram", "suffix")   # vLLM's speculative_config methods exspec runs
 LOOKUP_PROPOSERS = ("ngram", "suffix")   # no draft model: proposals looked up on the host
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAP_POLICIES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -63,13 +63,15 @@ def _is_str(value) -> bool:
 @dataclass
 class EngineConfig:
     target_model: str
-    draft_model: str | None = None
+    draft_model: str | None = None        # the draft model; with proposer "eagle3", the head's folder
     tokenizer: str | None = None          # default: the target's
     method: str = "exspec"                # exspec | eqspec | autoregressive
     num_speculative_tokens: int = 5       # k; per-request values may lower it
     proposer: str = "draft_model"         # where proposals come from: the draft model,
-                                          # "ngram" (prompt lookup, ngram.py) or "suffix" (suffix
-                                          # decoding, suffix.py): those two load no draft model
+                                          # "eagle3" (an EAGLE-3 head on the target's hidden
+                                          # states, eagle3.py), "ngram" (prompt lookup, ngram.py)
+                                          # or "suffix" (suffix decoding, suffix.py): those two
+                                          # load no draft model
     prompt_lookup_max: int = 4            # ngram: the longest suffix matched (vLLM's name)
     prompt_lookup_min: int = 2            # ngram: the shortest
     suffix_decoding_max_tree_depth: int = 24          # suffix (vLLM's names and defaults): the
@@ -137,6 +139,9 @@ class EngineConfig:
                 raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy "
                                  f"1 <= min <= max, got {self.prompt_lookup_min} and "
                                  f"{self.prompt_lookup_max}")
+        elif self.proposer == "eagle3" and self.speculative and not self.draft_model:
+            raise ValueError("proposer 'eagle3' needs draft_model: the EAGLE-3 head's folder "
+                             "(vLLM: speculative_config.model)")
         elif self.speculative and not self.draft_model:   # k = 0: the layout alone, no drafts
             raise ValueError(f"method {self.method!r} needs a draft_model (or proposer 'ngram' "
                              "or 'suffix')")

@@ -85,8 +85,9 @@ def translate(values: dict) -> tuple[dict, list[str]]:
 
 
 def _speculative(spec, values: dict) -> dict:
-    """vLLM's speculative_config -> exspec keys. A draft model, n-gram prompt lookup or suffix
-    decoding (no draft model); the other methods (EAGLE, Medusa, MTP) are refused by name."""
+    """vLLM's speculative_config -> exspec keys. A draft model, an EAGLE-3 head, n-gram prompt
+    lookup or suffix decoding (no draft model); the other methods (EAGLE-1/2, Medusa, MTP) are
+    refused by name."""
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be an object, got {spec!r}")
     unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
@@ -94,9 +95,10 @@ def _speculative(spec, values: dict) -> dict:
         raise ValueError(f"speculative_config keys not supported by exspec: {', '.join(unknown)} "
                          f"(supported: {', '.join(SPECULATIVE_KEYS)})")
     method = spec.get("method", "draft_model")
-    if method not in ("draft_model", "ngram", "suffix"):
+    if method not in ("draft_model", "eagle3", "ngram", "suffix"):
         raise ValueError(f"speculative_config method {method!r} is not supported by exspec; "
                          f"it speculates with a draft model (method 'draft_model' and 'model'), "
+                         f"an EAGLE-3 head (method 'eagle3' and 'model': the head's folder), "
                          f"by prompt lookup (method 'ngram') or by suffix decoding (method 'suffix')")
     suffix = {key: spec[key] for key in SUFFIX_KEYS if key in spec}
     if suffix and method != "suffix":
@@ -126,10 +128,13 @@ def _speculative(spec, values: dict) -> dict:
     if spec.get("draft_tensor_parallel_size", 1) != 1:
         raise ValueError("speculative_config draft_tensor_parallel_size must be 1 in exspec")
     if not spec.get("model"):
-        raise ValueError("speculative_config needs 'model': the draft model's path or name")
+        raise ValueError("speculative_config needs 'model': " + (
+            "the EAGLE-3 head's folder" if method == "eagle3" else "the draft model's path or name"))
     if "draft_model" in values:
         raise ValueError("model.json sets both speculative_config.model and draft_model; keep one")
     out = {"draft_model": spec["model"]}
+    if method == "eagle3":
+        out["proposer"] = "eagle3"
     if "num_speculative_tokens" in spec:
         out["num_speculative_tokens"] = spec["num_speculative_tokens"]
     return out

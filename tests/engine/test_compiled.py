@@ -262,7 +262,7 @@ def test_region_layers_fed_the_region_input_fail_equivalence(monkeypatch):
             out = type(layer).forward(layer, *[cache if isinstance(a, compiled.Cache) else a for a in args],
                                       **{n: cache if isinstance(v, compiled.Cache) else v
                                          for n, v in kwargs.items()})
-        return out
+        return out, ()
     monkeypatch.setattr(compiled, "_run_layers", unchained)
     engine, target = deep_engine("llama", "exspec")
     assert engine.runner.decode_forwards[engine.target].layers_per_region == 3

@@ -1,4 +1,5 @@
-"""The proposer conformance suite: every proposer (proposer.py) runs the same equivalence battery.
+"""The proposer conformance suite: every proposer (proposer.py) runs the same equivalence battery
+(a draft model, an EAGLE-3 head, prompt lookup, suffix decoding).
 A new proposer joins by adding one line to PROPOSERS: the target it is tested against, its
 config, and prompts on which it both proposes and misses.
 
@@ -12,12 +13,15 @@ proves something.
 """
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 from exspec import SamplingParams
 
 from enginekit import (assert_equivalent, assert_seeded_equivalent, first_difference, make_engine,
                        make_prompts, run_schedule)
+from eagle3kit import train_head
 from test_ngram import cyclic_target, walk_prompts
 from exspec.demo.tiny import build_tokenizer
 
@@ -32,6 +36,14 @@ def draft_model(pairs, cyclic):
     """A draft model (a noisy copy of the target) on random prompts."""
     target = pairs["llama", "target"]
     return target, dict(draft_model=pairs["llama", "noisy"]), make_prompts(320, pairs["llama", "eos"], seed=7)
+
+
+def eagle3(pairs, cyclic):
+    """An EAGLE-3 head (trained here for the target, reduced draft vocabulary) on random prompts."""
+    target = pairs["llama", "target"]
+    prompts = make_prompts(320, pairs["llama", "eos"], seed=7)
+    head = _eagle3_head(target, prompts + [p for wave in prefix_waves(prompts) for p in wave])
+    return target, dict(draft_model=head, proposer="eagle3"), prompts
 
 
 def ngram(pairs, cyclic):
@@ -50,7 +62,19 @@ def suffix(pairs, cyclic):
     return target, dict(draft_model=None, proposer="suffix", suffix_decoding_max_tree_depth=8), prompts
 
 
-PROPOSERS = {"draft_model": draft_model, "ngram": ngram, "suffix": suffix}
+PROPOSERS = {"draft_model": draft_model, "eagle3": eagle3, "ngram": ngram, "suffix": suffix}
+
+
+_heads: dict = {}
+
+
+def _eagle3_head(target: str, prompts) -> str:
+    """The head, trained once per session on the target's continuations of these prompts, so
+    that its drafts are often kept (eagle3kit.py); its 2 layers' inputs are its features."""
+    if target not in _heads:
+        out = tempfile.mkdtemp(prefix="eagle3-head-")
+        _heads[target] = train_head(target, out, (0, 1, 1), prompts, draft_size=200)
+    return _heads[target]
 METHODS = ["eqspec", "exspec"]
 
 
@@ -192,14 +216,18 @@ def test_n_samples_equal_target_only(pairs, proposer, method):
     assert engine.stats()["accepted_tokens"] > 0
 
 
+def prefix_waves(prompts):
+    """Two waves of prompts that share a 40-token prefix."""
+    shared = [t for p in prompts for t in p][:40]
+    return [shared + p[:6] for p in prompts[:3]], [shared + p[-5:] for p in prompts[3:7]]
+
+
 def test_prefix_cache_hits_keep_output_exact(pairs, reference, proposer):
     """EXSPEC's block store: a second wave of prompts sharing the first wave's 40-token prefix
     starts from cached blocks in every store (the target's and the proposer's) and stays exact."""
     name, target, _, prompts = proposer
     engine = engine_for(pairs, proposer, "exspec", max_batch_size=4)
-    shared = [t for p in prompts for t in p][:40]
-    first = [shared + p[:6] for p in prompts[:3]]
-    second = [shared + p[-5:] for p in prompts[3:7]]
+    first, second = prefix_waves(prompts)
     for wave in (first, second):
         outs = engine.generate(wave, SamplingParams(max_tokens=16))
         assert_equivalent(outs, wave, [16] * len(wave), reference, target, 256, f"{name} prefix")

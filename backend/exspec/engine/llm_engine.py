@@ -27,6 +27,7 @@ from ..params import SamplingParams
 from ..sampling.logits_processing import bad_words_token_ids
 from ..sampling.structured_output import Grammars
 from ..spec.draft_model import DraftModelProposer
+from ..spec.eagle3 import Eagle3Proposer
 from ..spec.ngram import NgramProposer
 from ..spec.suffix import SuffixProposer
 from ..spec.proposer import Proposer
@@ -84,9 +85,15 @@ def kv_bytes_per_entry(model) -> int:
 
 def proposer_for(config: EngineConfig, pair: ModelPair, pad_id: int) -> Proposer:
     """The proposer the config asks for, decided once, at load (proposer.py): the draft model,
-    prompt lookup, or none (autoregressive, k = 0: plain decoding on the method's layout)."""
+    an EAGLE-3 head, prompt lookup, suffix decoding, or none (autoregressive, k = 0: plain
+    decoding on the method's layout)."""
     if not config.speculative:
         return Proposer()
+    if config.proposer == "eagle3":
+        if pair.head is None:
+            raise ModelLoadError("proposer 'eagle3': the pair was loaded without its EAGLE-3 head "
+                                 "(load it with proposer 'eagle3' and draft_model: the head's folder)")
+        return Eagle3Proposer(pair.head, pair.target)
     if config.proposer == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.proposer == "suffix":

@@ -148,6 +148,13 @@ class ModelRunner:
 
     def forward(self, model, kv, ids, pos, valid, counts: list[int], keep: int, decode=True):
         """decode: a forward of a step (compiled on the compiled path); a prefill is not."""
+        # a target spread over GPUs ends on its last GPU; sampling lives on the engine's device
+        return self.forward_output(model, kv, ids, pos, valid, counts, keep, decode).logits.to(self.device)
+
+    def forward_output(self, model, kv, ids, pos, valid, counts: list[int], keep: int,
+                       decode=True, features: torch.Tensor | None = None):
+        """`forward`'s model output, whole; `features` [B, q, hidden]: an EAGLE head's input
+        beside the ids (spec/eagle3.py)."""
         self.faults.before_forward()
         forward = self.decode_forwards.get(model, model) if decode else model
         if forward is not model:   # compiled: inputs of one stride pattern (a copy on EQSPEC's views)
@@ -157,12 +164,14 @@ class ModelRunner:
                 # width of 1 apart, so this halves the graphs the warm-up compiles
                 ids, pos, valid = (torch.cat([torch.full_like(t[:, :1], fill), t], dim=1)
                                    for t, fill in ((ids, self.pad_id), (pos, 0), (valid, False)))
+                if features is not None:
+                    features = torch.cat([torch.zeros_like(features[:, :1]), features], dim=1)
         mask = kv.attention_mask(valid, counts, pos, always=forward is not model)
+        inputs = {} if features is None else {"features": features}
         out = forward(input_ids=ids, attention_mask=mask, position_ids=pos,
-                      cache=kv.cache, use_cache=True, logits_to_keep=keep)
+                      cache=kv.cache, use_cache=True, logits_to_keep=keep, **inputs)
         kv.appended(valid, counts)
-        # a target spread over GPUs ends on its last GPU; sampling lives on the engine's device
-        return out.logits.to(self.device)
+        return out
 
     def _noise(self, rows: RowSampling, first: torch.Tensor, count: int) -> torch.Tensor | None:
         """[B, count, V] Gumbel noise of each row's positions first .. first+count-1 (`first` [B],

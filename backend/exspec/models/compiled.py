@@ -113,6 +113,7 @@ class CompiledForward:
             self.compiled = None   # made once the probe has set layers_per_region
             self._probed: list | None = None   # the probe forward's (args, kwargs, output) per layer
             self._chunk_out = None              # the current region's output, for its other layers
+            self._chunk_inputs: tuple = ()      # and its other layers' inputs
             for index, layer in enumerate(layers):
                 layer.forward = _Region(self, layer, index)
         else:
@@ -162,7 +163,7 @@ class CompiledForward:
         try:   # the layers replay graphs; the lm_head after them is eager, its logits are new
             return self.model(**inputs)
         finally:
-            self.active, self._chunk_out = False, None
+            self.active, self._chunk_out, self._chunk_inputs = False, None, ()
 
     def _probe(self, inputs):
         """The first forward, eager: it records what the model hands each layer, and sets how
@@ -242,15 +243,29 @@ def _run_layers(layers, caches, args, kwargs):
     """The compiled region: consecutive decoder layers' own forwards (their class's, not the
     `_Region` put on the instance), all given the region's first layer's arguments, except that
     each gets its own cache layer (caches[j] where the whole cache was) and each later one is
-    fed the previous one's output."""
-    out = None
+    fed the previous one's output. Returns the last output and each later layer's input
+    (layer_inputs.py reads them; they exist anyway, as the residual stream)."""
+    out, inputs = None, []
     for layer, cache in zip(layers, caches):
         layer_args = [cache if isinstance(a, Cache) else a for a in args]
         if out is not None:
             layer_args[0] = _hidden(out)
+            inputs.append(layer_args[0])
         layer_kwargs = {name: cache if isinstance(v, Cache) else v for name, v in kwargs.items()}
         out = type(layer).forward(layer, *layer_args, **layer_kwargs)
-    return out
+    return out, tuple(inputs)
+
+
+def layer_input(layer, given):
+    """A decoder layer's input during a forward: `given` (what the model handed it), except in a
+    compiled region of several layers, where a later layer is handed the region's output and its
+    own input is what the region recorded."""
+    region = vars(layer).get("forward")
+    if not isinstance(region, _Region) or not region.owner.active:
+        return given
+    owner, per = region.owner, region.owner.layers_per_region
+    offset = region.index % per
+    return given if offset == 0 else owner._chunk_inputs[offset - 1]
 
 
 def _same_call(first, then) -> bool:
@@ -293,9 +308,10 @@ class _Region:
             return out
         cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, Cache)), None)
         caches = tuple(self._own(cache, first + j) for j in range(per))
-        out = owner.compiled(tuple(owner.layers[first:first + per]), caches, args, kwargs)
+        out, inputs = owner.compiled(tuple(owner.layers[first:first + per]), caches, args, kwargs)
         if per > 1:
             owner._chunk_out = (args, kwargs, out)
+            owner._chunk_inputs = inputs
         return out
 
     @staticmethod

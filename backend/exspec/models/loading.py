@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..config import EngineConfig
 from ..errors import ModelLoadError
+from .eagle3 import load_head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,6 +24,7 @@ class ModelPair:
     # (model, CUDA graphs or not) -> its compiled decode forward (compiled.py), made once and
     # shared by every engine on this pair (the benchmark builds several)
     decode_forwards: dict = field(default_factory=dict)
+    head: torch.nn.Module | None = None   # an EAGLE-3 head for the target (eagle3.py)
 
 
 def _looks_local(name: str) -> bool:
@@ -112,7 +114,8 @@ def _eos_ids(tokenizer, model) -> set[int]:
 
 def load_pair(config: EngineConfig) -> ModelPair:
     draft = None
-    if config.method != "autoregressive" and config.draft_model:
+    head_folder = config.draft_model if config.proposer == "eagle3" else None
+    if config.method != "autoregressive" and config.draft_model and not head_folder:
         # first, so that a device_map policy sees the memory the draft takes
         draft = load_model(config.draft_model, config, "draft")
     target = load_model(config.target_model, config, "target", config.device_map)
@@ -126,4 +129,8 @@ def load_pair(config: EngineConfig) -> ModelPair:
             raise ModelLoadError(f"max_model_len {config.max_model_len} exceeds the models' "
                                  f"limit of {max_len} positions")
         max_len = config.max_model_len
-    return ModelPair(tokenizer, target, draft, _eos_ids(tokenizer, target), max_len)
+    pair = ModelPair(tokenizer, target, draft, _eos_ids(tokenizer, target), max_len)
+    if head_folder and config.method != "autoregressive":
+        pair.head = load_head(_check_source(head_folder, "EAGLE-3 head"), target,
+                              DTYPES[config.dtype], config.device)
+    return pair

@@ -1,0 +1,155 @@
+"""Eagle3Proposer: an EAGLE-3 head drafts k tokens per row from the target's own hidden states
+(vLLM's "eagle3" method; the head: models/eagle3.py; design: "Proposers").
+
+What it needs from the target: the inputs of three of its decoder layers at every position the
+target computes (prefill chunks, verifications, plain steps), read by pre-hooks during the
+target's own forward (models/layer_inputs.py) and projected by the head's `fc` into one feature
+per position.
+
+Its per-group state (`HeadState`): the head's KV cache, in the target's layout, where entry e
+holds (token e, feature of target position e - 1) (models/eagle3.py), and per row the features of
+the positions the target has computed and the head has not yet taken: right-aligned in
+[B, W, hidden], count per row. A row's head cache holds `c` true entries and the target `t`
+positions; the buffer then holds the t - c + 1 features of entries c .. t (entry c's feature is
+target position c - 1's, a zero vector for c = 0, and after a prefix-cache hit, whose features
+were not computed: one approximated entry, never a changed output).
+
+A step: the first forward feeds each row its entries c .. n - 1 (n: the row's tokens, the last
+pending; ragged, 1 .. k + 1 of them, more after plain steps) with their true features; its
+output drafts d1 and, before the norm, is the feature of the next entry (d1, that output), and
+so on: k forwards in all, as a draft model's. The entries fed with the head's own features are
+provisional: `commit` cuts all k - 1 of them and keeps, as the next step's features, the
+verification's features of the positions each row kept (its accepted drafts and the pending
+token: a + 1). A plain step appends its one feature. So the head never runs a second time over
+a position it has taken, and the target never runs twice.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models.layer_inputs import LayerInputs
+from .draft_model import DraftModelProposer
+from .proposer import KVState, Plan, Proposal, Runner, StepState
+
+
+class HeadState(KVState):
+    """The head's cache and the features it has not taken (module doc)."""
+
+    def __init__(self, kv, model, features: torch.Tensor, counts: list[int]):
+        super().__init__(kv, model)
+        self.features = features   # [B, W, hidden], right-aligned
+        self.counts = counts       # per row, its features in `features`
+
+    @classmethod
+    def empty(cls, kv, model, batch: int, device) -> "HeadState":
+        zero = torch.zeros(batch, 1, model.config.hidden_size, dtype=model.dtype, device=device)
+        return cls(kv, model, zero, [1] * batch)
+
+    def select(self, rows: list[int]) -> int:
+        moved = super().select(rows)
+        self.features = self.features[torch.tensor(rows, device=self.features.device)]
+        self.counts = [self.counts[i] for i in rows]
+        return moved + self.features.nbytes
+
+    def compact(self) -> int:
+        moved = super().compact()
+        width = max(self.counts, default=1)
+        if width < self.features.shape[1]:
+            self.features = self.features[:, -width:]
+        return moved
+
+    @classmethod
+    def concat(cls, parts: list["HeadState"]) -> tuple["HeadState", int]:
+        kv, moved = KVState.concat(parts)
+        width = max(p.features.shape[1] for p in parts)
+        features = torch.cat([torch.nn.functional.pad(p.features, (0, 0, width - p.features.shape[1], 0))
+                              for p in parts])
+        state = cls(kv.kv, kv.model, features, [c for p in parts for c in p.counts])
+        return state, moved + features.nbytes
+
+    def take_prefill(self, chunk: torch.Tensor, fed: list[int]) -> torch.Tensor:
+        """The features of a prefill chunk's entries (`chunk`: the target's features of the
+        chunk's positions [B, W, hidden], left-padded as its ids; `fed`: tokens per row): entry
+        s + j takes position s + j - 1's, the first the buffer's; the buffer keeps the chunk's
+        last (a row fed nothing keeps its own)."""
+        features = torch.cat([self.features[:, -1:], chunk], dim=1)
+        last = features[:, -1:]
+        if min(fed) == 0:
+            fed_rows = torch.tensor([f > 0 for f in fed], device=chunk.device)[:, None, None]
+            last = torch.where(fed_rows, last, self.features[:, -1:])
+        self.features, self.counts = last, [1] * len(fed)
+        return features[:, :-1]
+
+    def keep_verified(self, verified: torch.Tensor, width: int, kept: torch.Tensor,
+                      accepted: list[int]) -> None:
+        """After a step of `width` drafts: the features of the positions each row kept
+        (verified [B, width + 1, hidden]: every verified position's; kept [B] on the device),
+        right-aligned."""
+        shift = (torch.arange(width + 1, device=kept.device) - (width - kept)[:, None]).clamp_min(0)
+        self.features = verified.gather(1, shift[..., None].expand(-1, -1, verified.shape[-1]))
+        self.counts = [a + 1 for a in accepted]
+
+    def append(self, features: torch.Tensor) -> None:
+        """A plain step's feature [B, 1, hidden] (the pending token's position) joins the buffer."""
+        self.features = torch.cat([self.features, features], dim=1)
+        self.counts = [c + 1 for c in self.counts]
+
+
+class Eagle3Proposer(DraftModelProposer):
+    name = "eagle3"
+
+    def __init__(self, head, target):
+        super().__init__(head)
+        self.head = head
+        self.layer_inputs = LayerInputs.of(target, head.layer_ids)
+        self._feature: torch.Tensor | None = None   # the next forward's features, while drafting
+
+    def new_state(self, layout, batch: int, device) -> HeadState:
+        return HeadState.empty(layout.empty(self.head, batch, device), self.head, batch, device)
+
+    def _target_features(self) -> torch.Tensor:
+        """The features of the target's last forward, every position's."""
+        return self.head.project(self.layer_inputs.take())
+
+    def _forward(self, runner: Runner, kv, ids, pos, valid, counts, decode: bool = True):
+        out = runner.forward_output(self.head, kv, ids, pos, valid, counts, keep=1, decode=decode,
+                                    features=self._feature)
+        self._feature = out.hidden   # the next draft's feature: this one's output
+        return out.logits.to(runner.device)
+
+    def prefill(self, runner: Runner, state: HeadState, ragged: tuple) -> None:
+        ids, pos, valid, fed = ragged
+        self._feature = state.take_prefill(self._target_features(), fed)
+        self._forward(runner, state.kv, ids, pos, valid, fed, decode=False)
+        runner.stats.add("prefill_tokens_draft", sum(fed))
+
+    def stage(self, runner: Runner, state: HeadState, seqs, plan: Plan, upload):
+        """The first forward's input: each row's entries the head lacks (its true features are
+        in the buffer); room for them and k - 1 provisional entries."""
+        if plan.width == 0:
+            return None, {}
+        cached = [state.cached(i) for i in range(len(seqs))]
+        tails = [s.tokens[n:] for s, n in zip(seqs, cached)]
+        assert [len(t) for t in tails] == state.counts, "EAGLE-3 head: features and tokens disagree"
+        room = {state.kv: [len(t) + plan.width - 1 for t in tails]}
+        return (tails, runner.stage_ragged(upload, tails, cached)), room
+
+    def propose(self, runner: Runner, state: HeadState, seqs, plan: Plan, staged,
+                sent: list[torch.Tensor], step: StepState) -> Proposal:
+        tails, at = staged
+        first = runner.read_ragged(sent[at], tails)
+        self._feature = state.features[:, -first[0].shape[1]:]
+        with runner.stats.timer("draft"):
+            return self._draft(runner, state, len(seqs), plan.width, step, first)
+
+    def commit(self, state: HeadState, width: int, accepted: list[int], kept: torch.Tensor) -> None:
+        # the last width + 1 columns: a compiled one-token forward is fed a pad first
+        verified = self._target_features()[:, -(width + 1):]
+        self._feature = None
+        if width == 0:
+            state.append(verified)
+            return
+        # its k - 1 entries fed its own features go; the buffer takes the verified ones
+        state.kv.drop_tail([width - 1] * len(accepted),
+                           torch.full_like(kept, width - 1))
+        state.keep_verified(verified, width, kept, accepted)

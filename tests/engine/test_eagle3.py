@@ -1,0 +1,222 @@
+"""EAGLE-3 heads (models/eagle3.py, spec/eagle3.py) beyond the conformance suite's equality
+(test_proposers.py runs the battery): the head drafts what its training computes, from the
+features of the right positions, in both layouts, eager and compiled; a compiled region of several
+layers hands the head the true layer inputs; checkpoints load in vLLM's layout variants, and a
+head made for another target is refused with both sides named."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
+
+from exspec import EngineConfig, LLMEngine, SamplingParams
+from exspec.demo.tiny import build_tokenizer, llama
+from exspec.errors import ModelLoadError
+from exspec.models import compiled
+from exspec.models.compiled import CompiledForward
+from exspec.models.eagle3 import default_layer_ids, head_for, load_head, save_head
+from exspec.models.eagle3_training import shifted_features, unrolled
+from exspec.models.layer_inputs import LayerInputs
+from exspec.vllm_args import translate
+
+from eagle3kit import first_drafts, train_head
+from enginekit import make_prompts
+
+VOCAB = 320
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """A 12-layer target (compiled regions of 3 layers) and a head trained for it."""
+    root = tmp_path_factory.mktemp("eagle3")
+    target = llama(VOCAB, seed=5, layers=12, hidden=64, heads=4, kv_heads=2, max_positions=256)
+    target.generation_config.eos_token_id = None
+    target.save_pretrained(root / "target")
+    build_tokenizer().save_pretrained(root / "target")
+    prompts = make_prompts(VOCAB, None, seed=21, count=12)
+    head = train_head(str(root / "target"), str(root / "head"), default_layer_ids(12), prompts,
+                      draft_size=160, batches=200)
+    return root, target, head, prompts
+
+
+def _random_head(target, ids=(0, 2, 3), draft_ids=None):
+    torch.manual_seed(3)
+    head = head_for(target, ids, draft_ids=draft_ids).eval()
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() >= 2 and name != "embed_tokens.weight":
+                p.normal_(0, 0.2)
+    return head
+
+
+def test_unrolled_training_steps_are_the_heads_own_drafting():
+    """Training-time test's step 0 is the head's forward over all entries, and step j at base
+    entry e is what the head drafts j tokens after e with its cache (true entries 0 .. e, then
+    its own provisional ones): training and serving compute the same thing."""
+    target = llama(VOCAB, seed=1, layers=4, hidden=64)
+    head = _random_head(target, draft_ids=list(range(0, VOCAB, 2)))
+    tokens = torch.randint(1, VOCAB, (2, 12))
+    with torch.no_grad():
+        features = shifted_features(head, torch.randn(2, 12, 3 * 64))
+        steps = [head.target_logits(x) for x in unrolled(head, tokens, features, 3)]
+        whole = head(input_ids=tokens, position_ids=torch.arange(12).expand(2, -1), features=features)
+        torch.testing.assert_close(whole.logits, steps[0], atol=1e-5, rtol=1e-5)
+        base = 6
+        cache = DynamicCache(config=head.config)
+        out = head(input_ids=tokens[:, :base + 1], position_ids=torch.arange(base + 1).expand(2, -1),
+                   features=features[:, :base + 1], cache=cache, use_cache=True)
+        for j in (1, 2):
+            out = head(input_ids=tokens[:, base + j:base + j + 1], position_ids=torch.full((2, 1), base + j),
+                       features=out.hidden[:, -1:], cache=cache, use_cache=True)
+            torch.testing.assert_close(out.logits[:, 0], steps[j][:, base], atol=1e-5, rtol=1e-5)
+    # a draft outside the reduced vocabulary is never proposed
+    assert torch.isinf(steps[0][..., 1::2]).all() and not torch.isinf(steps[0][..., 0::2]).any()
+
+
+@pytest.mark.parametrize("compiled_path", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_the_engine_drafts_what_the_head_computes_offline(deep, monkeypatch, method, compiled_path):
+    """At k = 1 a step's one draft is the head's step-0 prediction at the pending token: the
+    engine keeps exactly the drafts the offline one-pass computation (the training code, on the
+    whole finished sequence) agrees with the target on. A feature taken from the wrong position,
+    or a layer input from the wrong layer, would still be exact, and this count would differ."""
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    root, _, head_dir, prompts = deep
+    engine = LLMEngine(EngineConfig(target_model=str(root / "target"), draft_model=head_dir,
+                                    proposer="eagle3", method=method, num_speculative_tokens=1,
+                                    adaptive_k=False, max_batch_size=1,
+                                    enforce_eager=not compiled_path))
+    prompts = prompts[:6]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    target = engine.target
+    head = load_head(head_dir, target, torch.float32, "cpu")
+    kept = drafted = 0
+    for prompt, out in zip(prompts, outs):
+        sequence = prompt + out.token_ids
+        drafts = first_drafts(target, head, sequence)
+        n = len(prompt) + 1   # the first token comes with the prefill
+        while n < len(sequence):   # the pending token is n - 1, its draft is for n
+            drafted += 1
+            hit = drafts[n - 1] == sequence[n]
+            kept += hit
+            n += 2 if hit else 1
+    stats = engine.stats()
+    assert stats["draft_tokens"] == drafted
+    assert stats["accepted_tokens"] == kept
+    assert 0 < kept < drafted
+
+
+def test_a_compiled_region_of_several_layers_hands_on_the_true_layer_inputs(deep, monkeypatch):
+    """Regions of 3 layers (12 layers): the head reads layers 2, 6 and 9; 2 and 9 sit inside a
+    region, where the model hands a layer the region's output. What the head reads in a compiled
+    forward equals what it reads eagerly."""
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    root, _, _, _ = deep
+    from transformers import AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
+    tap = LayerInputs(target, default_layer_ids(12))
+    ids = torch.randint(1, VOCAB, (2, 7))
+    with torch.no_grad():
+        target(input_ids=ids, use_cache=False)
+        eager = tap.take()
+        forward = CompiledForward(target)
+        forward(input_ids=ids, use_cache=False)   # the probe: eager, sets the regions
+        assert forward.layers_per_region == 3
+        forward(input_ids=ids, use_cache=False)
+        regional = tap.take()
+    for a, b in zip(eager, regional):
+        torch.testing.assert_close(a, b)
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+@pytest.fixture()
+def saved(tmp_path):
+    target = llama(VOCAB, seed=1, layers=4, hidden=64)
+    head = _random_head(target, draft_ids=list(range(0, VOCAB, 2)))
+    save_head(head, tmp_path / "head", dtype=torch.float32)
+    return target, head, tmp_path / "head"
+
+
+def _logits(head, target):
+    ids = torch.randint(1, VOCAB, (1, 5))
+    features = torch.randn(1, 5, 64)
+    with torch.no_grad():
+        return head(input_ids=ids, position_ids=torch.arange(5)[None], features=features).logits
+
+
+def test_vllm_layout_variants_load_alike(saved, tmp_path):
+    """vLLM's loader takes the layer under `midlayer.` or `layers.0.`, an optional `model.`
+    prefix, the head's own embeddings or the target's, and ignores `t2d`."""
+    target, head, folder = saved
+    torch.manual_seed(0)
+    want = _logits(head, target)
+    weights = load_file(str(folder / "model.safetensors"))
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "d2t", "t2d", "lm_head.weight",
+            "norm.weight"} <= set(weights)
+    variant = tmp_path / "variant"
+    shutil.copytree(folder, variant)
+    renamed = {("model." + n.replace("midlayer.", "layers.0.")) if n != "lm_head.weight" else n: t
+               for n, t in weights.items()}
+    renamed["model.embed_tokens.weight"] = target.get_input_embeddings().weight.detach().clone()
+    save_file(renamed, str(variant / "model.safetensors"))
+    for path in (folder, variant):
+        loaded = load_head(str(path), target, torch.float32, "cpu")
+        torch.manual_seed(0)
+        torch.testing.assert_close(_logits(loaded, target), want)
+    assert load_head(str(folder), target, torch.float32, "cpu").embed_tokens.weight is \
+        target.get_input_embeddings().weight   # shared, not copied
+
+
+def _edit(folder, tmp_path, config=None, weights=None, name="edited"):
+    out = tmp_path / name
+    shutil.copytree(folder, out)
+    if config:
+        raw = json.loads((out / "config.json").read_text())
+        config(raw)
+        (out / "config.json").write_text(json.dumps(raw))
+    if weights:
+        w = load_file(str(out / "model.safetensors"))
+        weights(w)
+        save_file(w, str(out / "model.safetensors"))
+    return str(out)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("hidden", ["target hidden states of size 96", "the target's are 64", "another target"]),
+    ("vocab", ["target vocabulary of 1000", "the target has 320 logits"]),
+    ("layers", ["layers [2, 3, 7]", "the target has 4"]),
+    ("d2t", ["drafts over 160 ids of the target's 320", "no d2t"]),
+    ("architecture", ["LlamaForCausalLM", "not an EAGLE-3 head"]),
+    ("missing", ["missing ['fc.weight']"]),
+])
+def test_a_head_for_another_target_is_refused_naming_both_sides(saved, tmp_path, case, words):
+    target, _, folder = saved
+    edits = {
+        "hidden": dict(config=lambda c: c.update(target_hidden_size=96)),
+        "vocab": dict(config=lambda c: c.update(vocab_size=1000)),
+        "layers": dict(config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 3, 7])),
+        "d2t": dict(weights=lambda w: w.pop("d2t")),
+        "architecture": dict(config=lambda c: c.update(architectures=["LlamaForCausalLM"])),
+        "missing": dict(weights=lambda w: w.pop("fc.weight")),
+    }[case]
+    with pytest.raises(ModelLoadError) as err:
+        load_head(_edit(folder, tmp_path, **edits), target, torch.float32, "cpu")
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_model_json_takes_vllms_eagle3_config_and_refuses_it_without_a_head(saved):
+    out, _ = translate({"model": "/t", "speculative_config": {"method": "eagle3", "model": "/h",
+                                                              "num_speculative_tokens": 3}})
+    assert (out["proposer"], out["draft_model"], out["num_speculative_tokens"]) == ("eagle3", "/h", 3)
+    with pytest.raises(ValueError, match="the EAGLE-3 head's folder"):
+        translate({"model": "/t", "speculative_config": {"method": "eagle3"}})
+    with pytest.raises(ValueError, match="proposer 'eagle3' needs draft_model"):
+        EngineConfig(target_model="/t", proposer="eagle3")
+    _, _, folder = saved
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_head(str(folder / "nowhere"), llama(VOCAB, seed=1, layers=4, hidden=64), torch.float32, "cpu")
