@@ -178,3 +178,23 @@ def test_a_request_that_can_never_fit_is_refused_at_once(pairs, reference):
     got, final, peak = drive(engine)
     assert [final[f"r{i}"].finish_reason for i in range(3)] == ["length"] * 3, final
     assert peak["seqs"] == 1 and peak["reserved"] <= PEAK + SCRATCH, peak
+
+
+def test_a_gpu_budget_splits_memory_by_each_models_bytes_per_entry():
+    """The budget a GPU's free memory gives (kv_token_budget): every row holds an entry per token
+    in each model's store, so a store gets free / (the bytes per entry of all models) entries.
+    A draft as costly as the target halves the memory, as before; a one-layer EAGLE head's store
+    takes its own bytes, and the target's store nearly all the memory."""
+    from exspec.demo.tiny import llama
+    from exspec.engine.llm_engine import kv_entries_in
+    from exspec.models.eagle3 import head_for
+    target = llama(320, seed=1, layers=12, hidden=64)
+    head = head_for(target, (2, 6, 9))
+    t, h = kv_bytes_per_entry(target), kv_bytes_per_entry(head)
+    assert t == 12 * h
+    free = 1_000_000 * t
+    assert kv_entries_in(free, [target]) == 1_000_000
+    assert kv_entries_in(free, [target, target]) == 1_000_000            # 500k entries a store
+    per_store = kv_entries_in(free, [target, head]) // 2
+    assert per_store == free // (t + h) and per_store * (t + h) <= free
+    assert per_store > 0.92 * 1_000_000                                  # not half

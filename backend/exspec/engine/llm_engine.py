@@ -72,7 +72,16 @@ def kv_token_budget(*models, utilization: float | None = None) -> int:
     each layer's cache on its layer's GPU: their free memory adds up."""
     share = 0.9 if utilization is None else 1.0
     free = sum(max(0, _free_memory(d, utilization)) for d in model_devices(*models))
-    return int(free * share / max(kv_bytes_per_entry(m) for m in models if m is not None))
+    return kv_entries_in(int(free * share), models)
+
+
+def kv_entries_in(free_bytes: int, models) -> int:
+    """KV entries (every model's counted) that fit in `free_bytes`: a row holds one entry per
+    token in each model's store, so each store gets free / (the models' bytes per entry, summed)
+    entries, whatever its own entry costs (a one-layer EAGLE head's store takes its own few
+    bytes, not a share sized as the target's)."""
+    present = [m for m in models if m is not None]
+    return free_bytes // sum(kv_bytes_per_entry(m) for m in present) * len(present)
 
 
 def kv_bytes_per_entry(model) -> int:
