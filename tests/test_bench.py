@@ -22,6 +22,8 @@ CELL_SCHEMA = {   # key: (allowed types, may be null)
     "speedup_vs_autoregressive": (NUMBER, True), "speedup_vs_batch1": (NUMBER, True),
     "exact_match_share": (NUMBER, False), "prefix_match_mean": (NUMBER, False),
     "acceptance_rate": (NUMBER, True), "mean_accepted_length": (NUMBER, True),
+    "acceptance_by_depth": (list, True), "draft_ms_per_forward": (NUMBER, True),
+    "step_ms": (NUMBER, True), "draft_cost_vs_target_step": (NUMBER, True),
     "realign_share": (NUMBER, True), "equal_length_step_share": (NUMBER, True),
     "ideal_tokens_per_s": (NUMBER, True), "ideal_share": (NUMBER, True),
 }
@@ -30,8 +32,8 @@ CELL_SCHEMA = {   # key: (allowed types, may be null)
 # reports it).
 SHARES = ("exact_match_share", "prefix_match_mean", "acceptance_rate", "realign_share",
           "equal_length_step_share")
-METHODS = ("autoregressive", "eqspec", "exspec", "eqspec_ngram", "exspec_ngram", "eqspec_suffix",
-           "exspec_suffix", "hf_generate", "hf_assisted")
+METHODS = ("autoregressive", "eqspec", "exspec", "eqspec_eagle3", "exspec_eagle3", "eqspec_ngram",
+           "exspec_ngram", "eqspec_suffix", "exspec_suffix", "hf_generate", "hf_assisted")
 
 
 def check_schema(results: dict) -> None:
@@ -195,6 +197,39 @@ def test_ngram_methods_on_a_shipped_prompt_set_are_exact(bench_inputs):
     assert {c["method"] for c in ngram} == {"eqspec_ngram", "exspec_ngram"}
     assert any(c["method"] == "exspec_suffix" for c in results["cells"])
     assert all(c["exact_match_share"] == 1 for c in results["cells"])
+
+
+def test_eagle3_methods_report_acceptance_by_position_and_the_heads_cost(bench_inputs):
+    """--eagle3: a head for the pair's target (random weights: what is checked is the report, the
+    equality, and that the drafts' positions and cost are measured). Every cell is exact; each
+    drafting cell reports acceptance at every draft position, the head's milliseconds per draft
+    forward and their ratio to an autoregressive step, and results.md a table of them and the
+    projection."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from exspec.models.eagle3 import head_for, save_head
+    root, args = bench_inputs
+    target_dir = args[args.index("--target") + 1]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    save_head(head_for(target, (0, 2, 3)), root / "head", dtype=torch.float32)
+    out = root / "eagle3"
+    args = list(args)
+    args[args.index("--batch-sizes") + 1] = "1"
+    assert main(args + ["--max-tokens", "8", "--eagle3", str(root / "head"), "--fixed-k", "2",
+                        "--methods", "autoregressive,eqspec_eagle3,exspec_eagle3", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    check_schema(results)
+    assert results["config"]["eagle3"] == str(root / "head")
+    assert all(c["exact_match_share"] == 1 for c in results["cells"])
+    fixed = [c for c in results["cells"] if c["method"].endswith("_eagle3") and c["adaptive_k"] is False]
+    assert {c["method"] for c in fixed} == {"eqspec_eagle3", "exspec_eagle3"}
+    for c in fixed:
+        assert len(c["acceptance_by_depth"]) == 2 and all(0 <= a <= 1 for a in c["acceptance_by_depth"])
+        assert c["draft_ms_per_forward"] > 0 and c["draft_cost_vs_target_step"] > 0
+    md = (out / "results.md").read_text()
+    assert "## Drafts by position" in md and "Projection (analytic, not measured)" in md
+    with pytest.raises(SystemExit, match="--eagle3"):
+        main(args + ["--methods", "exspec_eagle3", "--out", str(root / "none")])
 
 
 def test_both_decode_paths_in_one_run(bench_inputs, monkeypatch):

@@ -107,6 +107,8 @@ def test_the_engine_drafts_what_the_head_computes_offline(deep, monkeypatch, met
     stats = engine.stats()
     assert stats["draft_tokens"] == drafted
     assert stats["accepted_tokens"] == kept
+    assert stats["drafts_by_depth"] == [{"depth": 1, "verified": drafted, "kept": kept}]
+    assert stats["draft_forwards"] == drafted   # one head forward per draft at B = 1
     assert 0 < kept < drafted
 
 

@@ -46,6 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import EngineConfig
+from ..models.eagle3 import load_head
 from ..models.loading import DTYPES, load_pair
 from ..sampling.sampler import COUPLINGS
 from ..utils.threads import apply_threads, choose_threads
@@ -127,16 +128,28 @@ def summarize(key: CellKey, runs: list[Run], reference: Reference,
             "tokens_per_s": statistics.median(tps_runs),
             "tokens_per_s_runs": tps_runs, "speedup_vs_autoregressive": None,
             "speedup_vs_batch1": None, "exact_match_share": exact, "prefix_match_mean": prefix,
-            "acceptance_rate": None, "mean_accepted_length": None, "realign_share": None,
+            "acceptance_rate": None, "mean_accepted_length": None, "acceptance_by_depth": None,
+            "draft_ms_per_forward": None, "step_ms": None, "draft_cost_vs_target_step": None,
+            "realign_share": None,
             "equal_length_step_share": None, "ideal_tokens_per_s": None, "ideal_share": None}
     if runs[0].stats is not None:
         total = {name: sum(run.stats[name] for run in runs)
-                 for name in runs[0].stats if name != "steps_by_shape"}
+                 for name in runs[0].stats if name not in ("steps_by_shape", "drafts_by_depth")}
         row_steps = sum(rows * n for run in runs for (rows, _), n in run.stats["steps_by_shape"].items())
         if total["draft_tokens"]:
             cell["acceptance_rate"] = total["accepted_tokens"] / total["draft_tokens"]
         if key.adaptive_k is not None and row_steps:
             cell["mean_accepted_length"] = total["committed_tokens"] / row_steps
+        depths = {}
+        for run in runs:
+            for depth, (verified, kept) in run.stats.get("drafts_by_depth", {}).items():
+                depths[depth] = [a + b for a, b in zip(depths.get(depth, [0, 0]), (verified, kept))]
+        if depths:   # of the row-drafts verified at position j, the share kept
+            cell["acceptance_by_depth"] = [kept / verified for _, (verified, kept) in sorted(depths.items())]
+        if total.get("draft_forwards"):
+            cell["draft_ms_per_forward"] = 1000 * total["time_draft_s"] / total["draft_forwards"]
+        if total["steps"]:
+            cell["step_ms"] = 1000 * total["time_step_s"] / total["steps"]
         if total["time_step_s"]:
             cell["realign_share"] = total["time_realign_s"] / total["time_step_s"]
         if total["steps"]:
@@ -156,6 +169,8 @@ def add_speedups(cells: list[dict]) -> None:
         ar = by.get(("autoregressive", c["batch_size"], 0, None, c["sampling_coupling"], c["path"]))
         if ar:
             c["speedup_vs_autoregressive"] = c["tokens_per_s"] / ar["tokens_per_s"]
+            if c["draft_ms_per_forward"] and ar["step_ms"]:   # a draft token against a target step
+                c["draft_cost_vs_target_step"] = c["draft_ms_per_forward"] / ar["step_ms"]
         b1 = by.get((c["method"], 1, c["k"], c["adaptive_k"], c["sampling_coupling"], c["path"]))
         if b1:
             c["speedup_vs_batch1"] = c["tokens_per_s"] / b1["tokens_per_s"]
@@ -168,6 +183,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--target", help="target model (default: the demo pair's)")
     ap.add_argument("--draft", help="draft model (default: the demo pair's)")
     ap.add_argument("--tokenizer", help="tokenizer (default: the demo pair's, else the target's)")
+    ap.add_argument("--eagle3", help="an EAGLE-3 head's folder for the *_eagle3 methods (default "
+                    "with --pair smollm2: the shipped head, where there is one)")
     ap.add_argument("--prompts", type=Path, help="SpecBench JSONL (default: the demo prompts)")
     ap.add_argument("--prompt-set", choices=("grounded", "open", "agentic", "multiturn", "code_edit"),
                     help="a prompt set shipped here instead of --prompts, each turn put through "
@@ -186,9 +203,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "results.md then compares adaptive with the best of them. 0: the "
                          "method's own layout without speculation (what speculation adds)")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
-    ap.add_argument("--methods", default=",".join(m for m in METHODS if not m.endswith("_suffix")),
+    ap.add_argument("--methods", default=",".join(m for m in METHODS if not m.endswith(("_suffix", "_eagle3"))),
                     help=f"comma list of {', '.join(METHODS)} (default: all but the *_suffix "
-                    "ones, whose global tree needs a workload that repeats across requests)")
+                    "ones, whose global tree needs a workload that repeats across requests, and "
+                    "the *_eagle3 ones, which need a head: --eagle3)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-stop", type=_draft_stop, default=None, metavar="auto|C",
                     help="adaptive k's draft stop (model.json draft_stop_confidence): auto, or a "
@@ -265,6 +283,9 @@ def resolve_pair(args) -> str:
         pair, name = ensure_pair(), "smollm2"
         args.tokenizer = args.tokenizer or str(pair / "target")
         args.prompts = args.prompts or pair / "prompts.jsonl"
+        from ..models.real_pair import HEAD_DIR
+        if args.eagle3 is None and (HEAD_DIR / "config.json").exists():
+            args.eagle3 = str(HEAD_DIR)
     elif (DEMO_DIR / "target" / "config.json").exists() and (DEMO_DIR / "draft" / "config.json").exists():
         pair, name = DEMO_DIR, "demo"
     else:
@@ -327,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         args.prompts = PROMPT_SETS / f"{args.prompt_set}.jsonl"
     if any(m in DRAFTED for m in args.methods) and not args.draft:
         raise SystemExit("exspec-bench: speculative methods need --draft")
+    if any(m.endswith("_eagle3") for m in args.methods) and not args.eagle3:
+        raise SystemExit("exspec-bench: the *_eagle3 methods need --eagle3 (an EAGLE-3 head's folder)")
 
     hf = HFModels(args)
     # one loaded pair for every engine of the run: compiled once, its graphs shared
@@ -334,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                                              tokenizer=args.tokenizer, device=args.device,
                                              dtype=args.dtype,
                                              method="exspec" if args.draft else "autoregressive"))
+    if args.eagle3 and any(m.endswith("_eagle3") for m in args.methods):
+        args.model_pair.head = load_head(args.eagle3, args.model_pair.target, DTYPES[args.dtype], args.device)
     prompts = usable_prompts(args, hf)
     sampled = args.temperature > 0
     reference = reference_outputs(args, hf, prompts, sampled, progress)
@@ -349,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = path_costs(args, prompts, warm_ups)
     cells, divergences = equivalence_cells(runs, reference, costs, progress)
 
-    config = {"pair": pair, "target": args.target, "draft": args.draft, "tokenizer": args.tokenizer,
+    config = {"pair": pair, "target": args.target, "draft": args.draft, "eagle3": args.eagle3,
+              "tokenizer": args.tokenizer,
               "prompts": str(args.prompts) if args.prompts else None, "num_prompts": len(prompts),
               "max_tokens": args.max_tokens, "k": args.k, "fixed_k": args.fixed_k,
               "batch_sizes": args.batch_sizes,

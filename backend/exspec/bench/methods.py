@@ -15,9 +15,11 @@ from .. import EngineConfig, LLMEngine, SamplingParams
 from ..models.loading import DTYPES, _eos_ids, _max_positions
 
 # method -> (EngineConfig.method, EngineConfig.proposer): the *_ngram methods propose by prompt
-# lookup (ngram.py), the *_suffix ones by suffix decoding (suffix.py); neither loads a draft
+# lookup (ngram.py), the *_suffix ones by suffix decoding (suffix.py), neither loads a draft;
+# the *_eagle3 ones draft with an EAGLE-3 head (--eagle3)
 ENGINE_METHODS = {"autoregressive": ("autoregressive", "draft_model"),
                   "eqspec": ("eqspec", "draft_model"), "exspec": ("exspec", "draft_model"),
+                  "eqspec_eagle3": ("eqspec", "eagle3"), "exspec_eagle3": ("exspec", "eagle3"),
                   "eqspec_ngram": ("eqspec", "ngram"), "exspec_ngram": ("exspec", "ngram"),
                   "eqspec_suffix": ("eqspec", "suffix"), "exspec_suffix": ("exspec", "suffix")}
 # the speculative ones, in the order the report lists them
@@ -116,8 +118,10 @@ class EngineMethod(Method):
         # a fixed k = 0 runs the method's layout without speculation: no draft to load
         drafted = (method != "autoregressive" and proposer == "draft_model"
                    and (key.adaptive_k or key.k > 0))
+        head = proposer == "eagle3" and (key.adaptive_k or key.k > 0)
         self.engine = LLMEngine(EngineConfig(
-            target_model=args.target, draft_model=args.draft if drafted else None,
+            target_model=args.target,
+            draft_model=args.draft if drafted else args.eagle3 if head else None,
             tokenizer=args.tokenizer, method=method, proposer=proposer,
             num_speculative_tokens=key.k, adaptive_k=bool(key.adaptive_k),
             max_batch_size=key.batch_size, max_num_seqs=max(key.batch_size, num_prompts),
@@ -163,6 +167,11 @@ def stats_delta(before: dict, after: dict) -> dict:
     for s in before["steps_by_shape"]:
         shapes[s["rows"], s["k"]] -= s["steps"]
     out["steps_by_shape"] = {shape: n for shape, n in shapes.items() if n}
+    depths = {d["depth"]: [d["verified"], d["kept"]] for d in after.get("drafts_by_depth", [])}
+    for d in before.get("drafts_by_depth", []):
+        depths[d["depth"]][0] -= d["verified"]
+        depths[d["depth"]][1] -= d["kept"]
+    out["drafts_by_depth"] = {d: vk for d, vk in depths.items() if vk[0]}
     return out
 
 

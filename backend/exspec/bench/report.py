@@ -77,6 +77,38 @@ def table(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def drafts_section(cells: list[dict]) -> list[str]:
+    """Per speculative cell that drafted on the device or looked up: acceptance by draft
+    position, the draft's cost per token against a target step, and an analytic projection."""
+    drafted = [c for c in cells if c.get("acceptance_by_depth")]
+    if not drafted:
+        return []
+    lines = ["## Drafts by position", "",
+             "accept @j = of the row-drafts verified at position j, the share kept; draft ms = one "
+             "draft forward (the draft phase's time over its forwards); ÷ step = that over one "
+             "autoregressive step at the same batch size (a target step).", "",
+             "| method | B | accepted len | accept @1 .. @k | draft ms | ÷ step |", "|---|---|---|---|---|---|"]
+    for c in sorted(drafted, key=lambda c: (c["batch_size"], order(c))):
+        by = " / ".join(f"{a:.2f}" for a in c["acceptance_by_depth"])
+        lines.append(f"| {label(c)} | {c['batch_size']} | {_num(c['mean_accepted_length'])} | {by} "
+                     f"| {_num(c.get('draft_ms_per_forward'))} | {_num(c.get('draft_cost_vs_target_step'), 3)} |")
+    lines += ["", "Projection (analytic, not measured): where verifying k + 1 tokens costs about one "
+              "decode step (a GPU-class target at small batch), a step yields 1 + sum over j <= k "
+              "of accept @j tokens per target pass. From each method's widest fixed-k cell:", "",
+              "| method | B | k = 1 | 2 | 3 | 4 | 5 | 6 |", "|---|---|---|---|---|---|---|---|"]
+    widest = {}
+    for c in drafted:
+        if c["adaptive_k"] is False and c.get("sampling_coupling") in (None, "gumbel"):
+            key = (c["method"], c["batch_size"], variant(c))
+            if key not in widest or c["k"] > widest[key]["k"]:
+                widest[key] = c
+    for (method, batch, _), c in sorted(widest.items(), key=lambda kv: (kv[0][1], order(kv[1]))):
+        per = c["acceptance_by_depth"]
+        passes = [1 + sum(per[:k]) if k <= len(per) else None for k in range(1, 7)]
+        lines.append(f"| {label(c)} | {batch} | " + " | ".join(_num(p) for p in passes) + " |")
+    return lines + [""]
+
+
 def order(cell: dict) -> tuple:
     methods = ("autoregressive", "hf_generate", *SPECULATIVE_METHODS, "hf_assisted")
     rank = methods.index(cell["method"]) if cell["method"] in methods else len(methods)
@@ -209,6 +241,7 @@ def markdown(results: dict, divergences: list[dict]) -> str:
     ]
     lines += findings(results["cells"])
     lines += [""] + adaptive_against_fixed(results["cells"])
+    lines += [""] + drafts_section(results["cells"])
     lines += ["", "## Divergences from the reference", ""]
     if "rejection" in (cfg.get("sampling_couplings") or []):
         lines += ["Rejection-sampling cells are left out: they keep the distribution, not the "

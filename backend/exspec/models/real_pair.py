@@ -60,6 +60,7 @@ QUESTIONS = [
 # --draft-source and --shipped-repository).
 REPOSITORY = Path(__file__).resolve().parents[3] / "model_repository"
 DRAFT_DIR = REPOSITORY / "exspec" / "1" / "smollm2_draft"
+HEAD_DIR = REPOSITORY / "exspec" / "1" / "smollm2_eagle3"   # its EAGLE-3 head (scripts/train_smollm2_eagle3.py)
 SERVED_NAME = "smollm2"
 
 PAIR_DIR = Path(os.environ.get("EXSPEC_SMOLLM2_DIR",

@@ -16,7 +16,7 @@ COUNTERS = ("steps", "equal_length_steps", "realign_steps", "plain_steps", "stic
             "draft_stopped_steps",
             "draft_tokens", "accepted_tokens", "committed_tokens", "row_steps",
             "prefill_tokens_target", "prefill_tokens_draft", "realign_bytes", "isolated_rows",
-            "cut_proposal_tokens")
+            "cut_proposal_tokens", "draft_forwards")
 PHASES = ("schedule", "prefill", "draft", "verify", "realign", "step")
 
 
@@ -29,12 +29,22 @@ class Stats:
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.steps_by_shape: dict[tuple[int, int], int] = {}   # (rows, k) -> steps
+        # draft depth j (1-based) -> [row-drafts at depth j verified, of them kept]
+        self.by_depth: dict[int, list[int]] = {}
 
     def add(self, key: str, value: int = 1) -> None:
         self.counts[key] += value
 
     def add_step(self, rows: int, k: int) -> None:
         self.steps_by_shape[rows, k] = self.steps_by_shape.get((rows, k), 0) + 1
+
+    def add_depths(self, verified: list[int], accepted: list[int]) -> None:
+        """Per row, its drafts verified and kept this step: counted by draft depth."""
+        for v, a in zip(verified, accepted):
+            for depth in range(1, v + 1):
+                counts = self.by_depth.setdefault(depth, [0, 0])
+                counts[0] += 1
+                counts[1] += a >= depth
 
     @contextmanager
     def timer(self, phase: str):
@@ -90,4 +100,7 @@ class Stats:
         # for the benchmark's analytic ideal: how many steps ran at each (rows, k)
         out["steps_by_shape"] = [{"rows": r, "k": k, "steps": n}
                                  for (r, k), n in sorted(self.steps_by_shape.items())]
+        # acceptance per draft position: of the row-drafts verified at depth j, those kept
+        out["drafts_by_depth"] = [{"depth": d, "verified": v, "kept": kept}
+                                  for d, (v, kept) in sorted(self.by_depth.items())]
         return out
