@@ -3,6 +3,7 @@ prompts through the model's own ChatML template: speculative output == target-on
 (Hugging Face generate) and seeded (the autoregressive path and the re-encoding reference), and
 the end of turn `<|im_end|>` stops a request. `make test` converts the pair first.
 """
+import dataclasses
 from functools import lru_cache
 
 import pytest
@@ -10,8 +11,10 @@ import torch
 from transformers import AutoTokenizer
 
 from exspec import EngineConfig, LLMEngine, SamplingParams
+from exspec.models.eagle3 import load_head
 from exspec.models.loading import load_pair
-from exspec.models.real_pair import IM_END, QUESTIONS, chat_prompt, draft_is_current, ensure_pair
+from exspec.models.real_pair import (HEAD_DIR, IM_END, QUESTIONS, chat_prompt, draft_is_current,
+                                     ensure_pair)
 
 from enginekit import assert_equivalent, assert_seeded_equivalent
 
@@ -100,3 +103,29 @@ def test_stops_at_im_end(real_pair):
     longer = engine(pair, "exspec", 1).generate(
         [prompts[1]], SamplingParams(max_tokens=len(out.token_ids) + 4, ignore_eos=True))[0]
     assert len(longer.token_ids) == len(out.token_ids) + 4
+
+
+def eagle3_engine(pair, method, batch, k=4):
+    """The trained EAGLE-3 head on the shared target (no second load of it)."""
+    loaded = _loaded(pair)
+    head = load_head(str(pair / "eagle3"), loaded.target, torch.float32, "cpu")
+    config = EngineConfig(target_model=str(pair / "target"), draft_model=str(pair / "eagle3"),
+                          proposer="eagle3", method=method, num_speculative_tokens=k,
+                          max_batch_size=batch, adaptive_k=False)
+    return LLMEngine(config, dataclasses.replace(loaded, draft=None, head=head))
+
+
+@pytest.mark.parametrize("method,batch", [("exspec", 4), ("eqspec", 4)])
+def test_the_trained_eagle3_head_is_installed_exact_and_its_drafts_are_kept(real_pair, reference,
+                                                                             method, batch):
+    """ensure_pair installs the committed head (checksum-stamped as the draft is); greedy output
+    with it equals target-only, and its first drafts are kept far more often than chance (the
+    trained head: ~45% of first positions on held-out chat prompts; a random one: ~0)."""
+    pair, _, prompts = real_pair
+    assert draft_is_current(pair / "eagle3", HEAD_DIR)
+    eng = eagle3_engine(pair, method, batch)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert_equivalent(outs, prompts, [MAX_TOKENS] * len(prompts), reference, str(pair / "target"),
+                      MAX_LEN, label=f"eagle3 {method}/B={batch}")
+    first = eng.stats()["drafts_by_depth"][0]
+    assert first["kept"] > 0.25 * first["verified"], first

@@ -111,16 +111,17 @@ def convert_target(gguf: Path, out: Path) -> None:
 
 
 DRAFT_FILES = ("config.json", "generation_config.json", "model.safetensors")
+HEAD_FILES = ("config.json", "model.safetensors")
 
 
-def install_draft(out: Path, source: Path = DRAFT_DIR) -> None:
-    """The trained draft's weights into `out`, stamped with their checksum so that a retrained
-    draft replaces an older copy."""
+def install_draft(out: Path, source: Path = DRAFT_DIR, files: tuple = DRAFT_FILES) -> None:
+    """The trained draft's (or head's) weights into `out`, stamped with their checksum so that a
+    retrained one replaces an older copy."""
     import shutil
     tmp = out.with_name(out.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name in DRAFT_FILES:
+    for name in files:
         shutil.copyfile(source / name, tmp / name)
     (tmp / "SOURCE_SHA256").write_text(sha256(source / "model.safetensors") + "\n")
     shutil.rmtree(out, ignore_errors=True)
@@ -197,6 +198,10 @@ def ensure_pair(pair_dir: Path = PAIR_DIR, log=print, draft_source: Path = DRAFT
     elif not draft_is_current(draft, draft_source):
         install_draft(draft, draft_source)
         log(f"real pair: the trained draft ({draft_source.name}) installed in {draft}")
+    head_source = draft_source.parent / HEAD_DIR.name
+    if (head_source / "model.safetensors").exists() and not draft_is_current(pair_dir / "eagle3", head_source):
+        install_draft(pair_dir / "eagle3", head_source, HEAD_FILES)
+        log(f"real pair: the trained EAGLE-3 head ({head_source.name}) installed in {pair_dir / 'eagle3'}")
     prompts = pair_dir / "prompts.jsonl"
     if not prompts.exists():
         write_prompts(target, prompts)

@@ -1,0 +1,330 @@
+#!/usr/bin/env python
+"""Train an EAGLE-3 head for SmolLM2-135M-Instruct (models/eagle3.py, models/eagle3_training.py).
+Reproducible from the seed, no network (the target comes from `python -m exspec.models.real_pair`).
+
+Steps (each one's output is kept in --work and reused by a later run with the same settings):
+ 1. data      as the draft's (scripts/train_smollm2_draft.py steps 1-2): user turns the target
+              wrote (the benchmark's QUESTIONS held out), its own answers with its top-32
+              log-probabilities per answer position; answers made in chunks of CHUNK questions,
+              each kept as it is done (a rerun, or a larger --questions, goes on from there).
+              All answers are greedy (make_answers samples every fourth batch of 32, and a chunk
+              is two).
+ 2. features  the target once over every example, its layers' inputs at the head's layer ids
+              (vLLM's defaults 2, 15, 27) kept in float16: cached, not recomputed per batch
+              (a target forward costs ~3x a head training step here).
+ 3. vocab     the draft vocabulary: the --draft-vocab ids the target picks most often in the
+              training answers (its coverage of held-out picks is reported).
+ 4. train     training-time test over --steps unrolled steps (loss weights 0.8^j), soft labels =
+              the target's top-32 distribution renormalised over the draft vocabulary; lm_head
+              and norm start from the target's, fc from the high layer; AdamW, warm-up + cosine;
+              a checkpoint every --save-every batches in --work (a rerun resumes there).
+ 5. measure   held-out agreement per unrolled step (the curve), then acceptance through the
+              engine on the held-out QUESTIONS at k = 4 (B = 1, greedy, fixed k).
+
+Output (default model_repository/exspec/1/smollm2_eagle3/): config.json + model.safetensors in
+vLLM's llama_eagle3 layout (float16; embeddings shared with the target, not saved),
+metrics.json, curve.png.
+
+    python scripts/train_smollm2_eagle3.py                  # full run, ~55 min on 2 cores
+    python scripts/train_smollm2_eagle3.py --tiny --out /tmp/h --work /tmp/w   # smoke, ~2 min
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_demo_pair import lr_at, machine_info, make_opt  # noqa: E402
+from train_smollm2_draft import make_answers, make_questions  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "backend"))
+from exspec.models.eagle3 import head_for, save_head  # noqa: E402
+from exspec.models.eagle3_training import ttt_loss  # noqa: E402
+from exspec.models.layer_inputs import LayerInputs  # noqa: E402
+from exspec.models.real_pair import HEAD_DIR, PAIR_DIR, QUESTIONS, chat_prompt  # noqa: E402
+
+CHUNK = 64   # questions answered per kept file
+
+
+def load_or_make_data(target, tok, work: Path, n_questions: int, answer_tokens: int, seed: int = 0):
+    """n_questions examples (questions made once for up to max(n, 1600), answers per CHUNK)."""
+    pool = max(n_questions, 1600)
+    qpath = work / f"questions-seed{seed}-q{pool}.json"
+    if not qpath.exists():
+        qpath.write_text(json.dumps(make_questions(target, tok, pool, 64, seed)))
+    questions = json.loads(qpath.read_text())[:n_questions]
+    examples, seconds = [], 0.0
+    for start in range(0, len(questions), CHUNK):
+        path = work / f"answers-seed{seed}-a{answer_tokens}-{start:05d}.pt"
+        if not path.exists():
+            t0 = time.monotonic()
+            torch.save(make_answers(target, tok, questions[start:start + CHUNK], answer_tokens, 32,
+                                    seed + start), path)
+            seconds += time.monotonic() - t0
+        examples += torch.load(path)
+    return examples[:n_questions], {"answers": seconds} if seconds else {}
+
+
+@torch.no_grad()
+def make_features(target, examples, layer_ids, batch: int = 16) -> list[torch.Tensor]:
+    """Per example [T, 3 x hidden] float16: the inputs of the head's target layers."""
+    tap = LayerInputs(target, layer_ids)
+    out = [None] * len(examples)
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["ids"]))
+    for start in tqdm(range(0, len(order), batch), desc="features", dynamic_ncols=True):
+        idx = order[start:start + batch]
+        width = max(len(examples[i]["ids"]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        for r, i in enumerate(idx):
+            n = len(examples[i]["ids"])
+            ids[r, :n], mask[r, :n] = examples[i]["ids"].long(), 1
+        target(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+        states = torch.cat(tap.take(), dim=-1)
+        for r, i in enumerate(idx):
+            out[i] = states[r, :len(examples[i]["ids"])].half().clone()
+    return out
+
+
+def draft_vocab(examples, size: int) -> list[int]:
+    """The `size` ids the target picks most often in these answers (its argmax per position)."""
+    counts = Counter()
+    for e in examples:
+        counts.update(e["top_i"][:, 0].tolist())
+    return sorted(t for t, _ in counts.most_common(size))
+
+
+def coverage(examples, vocab: list[int]) -> float:
+    inside = set(vocab)
+    picks = [t for e in examples for t in e["top_i"][:, 0].tolist()]
+    return sum(t in inside for t in picks) / max(1, len(picks))
+
+
+def make_batch(examples, features, index, to_draft: torch.Tensor, draft_size: int):
+    """Tokens [B, T], layer inputs [B, T, 3H], the target's distribution over the draft
+    vocabulary at each position [B, T, draft], and the positions that count [B, T] (answer
+    positions whose top-32 reaches the draft vocabulary)."""
+    width = max(len(examples[i]["ids"]) for i in index)
+    b = len(index)
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    states = torch.zeros(b, width, features[index[0]].shape[-1])
+    probs = torch.zeros(b, width, draft_size)
+    mask = torch.zeros(b, width, dtype=torch.bool)
+    for r, i in enumerate(index):
+        e = examples[i]
+        n, start = len(e["ids"]), e["start"]
+        tokens[r, :n] = e["ids"].long()
+        states[r, :n] = features[i].float()
+        # top_i[t] is the target's distribution predicting answer token t: position start + t - 1
+        rows = torch.arange(len(e["top_i"])) + start - 1
+        ids = to_draft[e["top_i"].long()]                       # [n_answer, 32], -1 outside
+        p = e["top_v"].float().exp() * (ids >= 0)
+        total = p.sum(-1, keepdim=True)
+        p = p / total.clamp_min(1e-9)
+        dense = torch.zeros(len(rows), draft_size)
+        dense.scatter_add_(1, ids.clamp_min(0), p)
+        probs[r, rows] = dense
+        mask[r, rows] = total[:, 0] > 0
+    return tokens, states, probs, mask
+
+
+@torch.no_grad()
+def agreement(head, examples, features, index, to_draft, draft_size, steps, batch):
+    head.eval()
+    agree, counted = [0.0] * steps, [0.0] * steps
+    for s in range(0, len(index), batch):
+        tokens, states, probs, mask = make_batch(examples, features, index[s:s + batch], to_draft, draft_size)
+        _, a, c = ttt_loss(head, tokens, states, probs, mask, steps)
+        agree = [x + y for x, y in zip(agree, a)]
+        counted = [x + y for x, y in zip(counted, c)]
+    head.train()
+    return [a / max(1.0, c) for a, c in zip(agree, counted)]
+
+
+def new_head(target, layer_ids, vocab: list[int]):
+    head = head_for(target, layer_ids, draft_ids=vocab)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab])
+        head.norm.weight.copy_(target.model.norm.weight)
+        hidden = head.config.hidden_size
+        head.fc.weight.zero_()
+        head.fc.weight[:, -hidden:] = torch.eye(hidden)   # start from the high layer's state
+    head.embed_tokens.weight.requires_grad_(False)
+    return head
+
+
+def train(head, examples, features, train_idx, val_idx, to_draft, args, ckpt: Path):
+    draft_size = head.config.draft_vocab_size
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    opt = make_opt(head, args.lr)   # the shared embeddings are frozen: no gradient, no step
+    rng = random.Random(args.seed)
+    batches_per_epoch = len(train_idx) // args.batch
+    total = batches_per_epoch * args.epochs
+    state = {"step": 0, "curve": {"step": [], "loss": [], "val_step": [], "val_agree": []}}
+    if ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(saved["head"], strict=False)
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+        print(f"resumed at batch {state['step']} of {total}")
+    order = []
+    for epoch in range(args.epochs):   # the whole schedule up front: a resume skips into it
+        chunk = list(train_idx)
+        rng.shuffle(chunk)
+        order += [chunk[i:i + args.batch] for i in range(0, batches_per_epoch * args.batch, args.batch)]
+    bar = tqdm(total=total, initial=state["step"], desc="train", dynamic_ncols=True)
+    head.train()
+    running = []
+    while state["step"] < total:
+        step = state["step"]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, args.lr)
+        tokens, states, probs, mask = make_batch(examples, features, order[step], to_draft, draft_size)
+        loss, agree, counted = ttt_loss(head, tokens, states, probs, mask, args.steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        running.append(float(loss))
+        state["step"] += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{sum(running[-20:]) / len(running[-20:]):.3f}",
+                        agree0=f"{agree[0] / max(1.0, counted[0]):.2f}")
+        if state["step"] % 10 == 0:
+            state["curve"]["step"].append(state["step"])
+            state["curve"]["loss"].append(sum(running[-10:]) / len(running[-10:]))
+        if state["step"] % args.eval_every == 0 or state["step"] == total:
+            val = agreement(head, examples, features, val_idx, to_draft, draft_size, args.steps, args.batch)
+            state["curve"]["val_step"].append(state["step"])
+            state["curve"]["val_agree"].append(val)
+            bar.write(f"batch {state['step']}: held-out agreement per unrolled step "
+                      + " ".join(f"{v:.3f}" for v in val))
+        if state["step"] % args.save_every == 0 or state["step"] == total:
+            own = {n: t for n, t in head.state_dict().items() if n != "embed_tokens.weight"}   # the target's
+            torch.save({"head": own, "opt": opt.state_dict(), "state": state}, ckpt)
+    bar.close()
+    return state["curve"]
+
+
+def plot_curve(curve, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.plot(curve["step"], curve["loss"])
+    a.set_xlabel("batch")
+    a.set_ylabel("training-time-test loss")
+    a.set_title("loss")
+    for j in range(len(curve["val_agree"][0]) if curve["val_agree"] else 0):
+        b.plot(curve["val_step"], [v[j] for v in curve["val_agree"]], marker="o", label=f"draft {j + 1}")
+    b.set_xlabel("batch")
+    b.set_ylabel("agreement with the target's argmax")
+    b.set_title("held-out agreement per unrolled step")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def engine_acceptance(pair: Path, head_dir: Path, tok, k: int, max_tokens: int) -> dict:
+    """Greedy acceptance through the engine at fixed k, B = 1, on the held-out QUESTIONS."""
+    from exspec import EngineConfig, LLMEngine, SamplingParams
+    engine = LLMEngine(EngineConfig(target_model=str(pair / "target"), draft_model=str(head_dir),
+                                    proposer="eagle3", method="exspec", num_speculative_tokens=k,
+                                    adaptive_k=False, max_batch_size=1, torch_threads=1))
+    prompts = [tok(chat_prompt(tok, q), add_special_tokens=False)["input_ids"] for _, q in QUESTIONS]
+    engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    s = engine.stats()
+    steps = s["steps"] - s.get("plain_steps", 0)
+    return {"k": k, "questions": len(prompts), "draft_tokens": s["draft_tokens"],
+            "accepted_tokens": s["accepted_tokens"],
+            "acceptance": s["accepted_tokens"] / max(1, s["draft_tokens"]),
+            "mean_accepted_length": 1 + s["accepted_tokens"] / max(1, steps)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=HEAD_DIR)
+    ap.add_argument("--work", type=Path, default=PAIR_DIR.parent / "smollm2-eagle3-work")
+    ap.add_argument("--pair", type=Path, default=PAIR_DIR)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--questions", type=int, default=1600, help="questions (data seed 0)")
+    ap.add_argument("--answer-tokens", type=int, default=128)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=3, help="training-time-test unrolled steps")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--save-every", type=int, default=50)
+    ap.add_argument("--tiny", action="store_true", help="a smoke run of a few minutes")
+    ap.add_argument("--data-only", action="store_true", help="make the data and stop")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.questions, args.answer_tokens, args.epochs, args.draft_vocab = 48, 32, 1, 2048
+        args.eval_every = args.save_every = 4
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tok = AutoTokenizer.from_pretrained(args.pair / "target")
+    tok.padding_side = "left"
+    target = AutoModelForCausalLM.from_pretrained(args.pair / "target", dtype=torch.float32).eval()
+    target.requires_grad_(False)
+    args.work.mkdir(parents=True, exist_ok=True)
+    times = {}
+    examples, data_times = load_or_make_data(target, tok, args.work, args.questions, args.answer_tokens)
+    times.update(data_times)
+    if args.data_only:
+        return
+    random.Random(0).shuffle(examples)
+    n_val = max(2, len(examples) // 20)
+    val_idx, train_idx = list(range(n_val)), list(range(n_val, len(examples)))
+    layers = target.config.num_hidden_layers
+    layer_ids = (2, layers // 2, layers - 3)
+    fpath = args.work / f"features-q{args.questions}-a{args.answer_tokens}-{'-'.join(map(str, layer_ids))}.pt"
+    t0 = time.monotonic()
+    if not fpath.exists():
+        torch.save(make_features(target, examples, layer_ids), fpath)
+        times["features"] = time.monotonic() - t0
+    features = torch.load(fpath)
+    vocab = draft_vocab([examples[i] for i in train_idx], args.draft_vocab)
+    to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    to_draft[torch.tensor(vocab)] = torch.arange(len(vocab))
+    head = new_head(target, layer_ids, vocab)
+    ckpt = args.work / (f"ckpt-v{args.draft_vocab}-s{args.steps}-e{args.epochs}-b{args.batch}"
+                        f"-lr{args.lr}-seed{args.seed}-q{args.questions}.pt")
+    t0 = time.monotonic()
+    curve = train(head, examples, features, train_idx, val_idx, to_draft, args, ckpt)
+    times["train"] = time.monotonic() - t0
+    head.eval()
+    save_head(head, args.out)
+    plot_curve(curve, args.out / "curve.png")
+    acceptance = engine_acceptance(args.pair, args.out, tok, 4, 32 if args.tiny else 96)
+    metrics = {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "work", "pair")},
+        "layer_ids": list(layer_ids), "examples": len(examples), "val_examples": n_val,
+        "answer_tokens": sum(len(examples[i]["top_i"]) for i in train_idx),
+        "vocab_coverage_held_out": coverage([examples[i] for i in val_idx], vocab),
+        "held_out_agreement_per_step": curve["val_agree"][-1] if curve["val_agree"] else None,
+        "engine_acceptance": acceptance, "curve": curve,
+        "head_params": sum(p.numel() for n, p in head.named_parameters() if n != "embed_tokens.weight"),
+        "weights_bytes": (args.out / "model.safetensors").stat().st_size,
+        "machine": machine_info(), **{f"time_{k}_s": round(v, 1) for k, v in times.items()},
+    }
+    (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    print(json.dumps({k: metrics[k] for k in ("vocab_coverage_held_out", "held_out_agreement_per_step",
+                                              "engine_acceptance", "weights_bytes")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
