@@ -170,7 +170,7 @@ def adaptive_against_fixed(cells: list[dict]) -> list[str]:
     """Adaptive k against the best fixed k of the same method, coupling and batch size (and, at
     B = 1, against Hugging Face assisted generation's own adaptive schedule)."""
     lines = []
-    for c in sorted((c for c in cells if c["adaptive_k"] and c["method"] in ("eqspec", "exspec")),
+    for c in sorted((c for c in cells if c["adaptive_k"] and c["method"] in SPECULATIVE_METHODS),
                     key=lambda c: (c["method"], str(c.get("path")), str(c.get("sampling_coupling")),
                                    c["batch_size"])):
         same = lambda o: (o["batch_size"] == c["batch_size"] and o.get("path") == c.get("path")  # noqa: E731
