@@ -59,6 +59,7 @@ from .paths import forward_costs
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
 SPECULATIVE = (*SPECULATIVE_METHODS, "hf_assisted")
 DRAFTED = ("eqspec", "exspec", "hf_assisted")   # the speculative methods that need a draft model
+DEFAULT_METHODS = ",".join(m for m in METHODS if not m.endswith(("_suffix", "_eagle3")))
 # prompt sets shipped with the benchmark (our own text): "grounded" outputs repeat their input
 # (edits, answers from a passage, repeat-with-changes), "open" ones do not; "agentic" repeats
 # earlier requests' formats, "multiturn" (two turns) the first turn's answer, "code_edit" the code
@@ -203,10 +204,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "results.md then compares adaptive with the best of them. 0: the "
                          "method's own layout without speculation (what speculation adds)")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
-    ap.add_argument("--methods", default=",".join(m for m in METHODS if not m.endswith(("_suffix", "_eagle3"))),
+    ap.add_argument("--methods", default=None,
                     help=f"comma list of {', '.join(METHODS)} (default: all but the *_suffix "
                     "ones, whose global tree needs a workload that repeats across requests, and "
-                    "the *_eagle3 ones, which need a head: --eagle3)")
+                    "the *_eagle3 ones, which need a head: --eagle3; with --pair smollm2 and its "
+                    "shipped head, those too)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-stop", type=_draft_stop, default=None, metavar="auto|C",
                     help="adaptive k's draft stop (model.json draft_stop_confidence): auto, or a "
@@ -241,7 +243,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.methods_given = args.methods is not None
+    args.methods = [m.strip() for m in (args.methods or DEFAULT_METHODS).split(",") if m.strip()]
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         ap.error(f"unknown methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
@@ -286,6 +289,8 @@ def resolve_pair(args) -> str:
         from ..models.real_pair import HEAD_DIR
         if args.eagle3 is None and (HEAD_DIR / "config.json").exists():
             args.eagle3 = str(HEAD_DIR)
+            if not args.methods_given:   # the real pair's default: its head beside its draft
+                args.methods += ["eqspec_eagle3", "exspec_eagle3"]
     elif (DEMO_DIR / "target" / "config.json").exists() and (DEMO_DIR / "draft" / "config.json").exists():
         pair, name = DEMO_DIR, "demo"
     else:

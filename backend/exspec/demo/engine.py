@@ -1,7 +1,8 @@
 """`python -m exspec.demo.engine`: the engine on a model pair, speculative vs target-only, side by side.
 
-With --real, the real pair (SmolLM2-135M-Instruct and the draft trained for it,
-exspec.models.real_pair) on chat questions through its own chat template. Otherwise the toy pair, a
+With --real, the real pair (SmolLM2-135M-Instruct with the EAGLE-3 head trained for it, else its
+trained draft; exspec.models.real_pair) on chat questions through its own chat template. Otherwise
+the toy pair, a
 tiny code model for fast tests: the shipped demo pair (model_repository/exspec/1/demo) when
 present, else a small seeded pair built locally. Prints which pair it runs, both outputs,
 whether they match token for token, the acceptance rate (accepted / drafted tokens), tokens/s
@@ -23,8 +24,10 @@ from ..models.loading import load_pair
 
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
 FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in range(10):\n"]
-REAL_PAIR = ("real pair: SmolLM2-135M-Instruct (float32) with the draft trained for it "
-             "(6 layers, hidden 256: scripts/train_smollm2_draft.py)")
+REAL_PAIR = {"eagle3": "real pair: SmolLM2-135M-Instruct (float32) with the EAGLE-3 head trained "
+                       "for it (scripts/train_smollm2_eagle3.py)",
+             "draft_model": "real pair: SmolLM2-135M-Instruct (float32) with the draft trained for "
+                            "it (6 layers, hidden 256: scripts/train_smollm2_draft.py)"}
 TOY_PAIR = "toy pair: a tiny code model for fast tests, not an assistant"
 
 
@@ -54,17 +57,19 @@ def _tokenizer_dir(pair: Path) -> Path:
     return pair / "tokenizer" if (pair / "tokenizer").exists() else pair / "target"
 
 
-def _engines(pair: Path, method: str, k: int, batch: int) -> list[LLMEngine]:
+def _engines(pair: Path, method: str, k: int, batch: int,
+             proposer: str = "draft_model") -> list[LLMEngine]:
     """The speculative engine and the target-only one, sharing the models loaded once (each
-    loaded model prints one "Loading weights" bar), each warmed up: one-off costs untimed."""
+    loaded model prints one "Loading weights" bar), each warmed up: one-off costs untimed.
+    `proposer`: the pair's draft/ or, "eagle3", its eagle3/ head."""
     common = dict(target_model=str(pair / "target"), tokenizer=str(_tokenizer_dir(pair)),
                   max_batch_size=batch)
-    speculative = EngineConfig(**common, draft_model=str(pair / "draft"), method=method,
-                               num_speculative_tokens=k)
+    speculative = EngineConfig(**common, method=method, num_speculative_tokens=k, proposer=proposer,
+                               draft_model=str(pair / ("eagle3" if proposer == "eagle3" else "draft")))
     models = load_pair(speculative)
     engines = [LLMEngine(speculative, pair=models),
                LLMEngine(EngineConfig(**common, method="autoregressive", num_speculative_tokens=0),
-                         pair=dataclasses.replace(models, draft=None))]
+                         pair=dataclasses.replace(models, draft=None, head=None))]
     for engine in engines:
         engine.generate(["Hello"], SamplingParams(max_tokens=4))
     return engines
@@ -111,10 +116,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     pair, prompts = _pair_dir(args)
-    print(f"{REAL_PAIR if args.real else 'given pair' if args.pair else TOY_PAIR} ({pair})")
+    proposer = "draft_model"
+    if args.real:
+        from ..models.real_pair import demo_proposer
+        proposer = demo_proposer(pair)
+    print(f"{REAL_PAIR[proposer] if args.real else 'given pair' if args.pair else TOY_PAIR} ({pair})")
     prompts = prompts[:args.num_prompts]
     params = SamplingParams(max_tokens=args.max_tokens)
-    engines = _engines(pair, args.method, args.k, args.batch_size)
+    engines = _engines(pair, args.method, args.k, args.batch_size, proposer)
     (spec, spec_tps, acceptance), (base, base_tps, _) = _side_by_side(engines, prompts, params)
     same = 0
     for i, (s, b) in enumerate(zip(spec, base)):

@@ -1,6 +1,7 @@
 """`python -m exspec.demo.server`: the real pair in a real tritonserver, as a client sees it.
 
-Serves SmolLM2-135M-Instruct with the draft trained for it (exspec.models.real_pair, set up once) as model
+Serves SmolLM2-135M-Instruct with the EAGLE-3 head trained for it (else its trained draft;
+exspec.models.real_pair, set up once) as model
 `exspec` on free ports through the launcher, then
   1. streams each chat question over gRPC (tritonclient), once speculative and once with
      `num_speculative_tokens: 0` (the same server decoding autoregressively), the two
@@ -29,7 +30,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..models.real_pair import QUESTIONS, chat_prompt, ensure_pair, write_repository
+from ..models.real_pair import QUESTIONS, chat_prompt, demo_proposer, ensure_pair, write_repository
 from ..serving.launcher import TritonServer
 from ..serving.openai_frontend import DEFAULT_FRONTEND
 from ..serving.ports import reserve_ports
@@ -214,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(pair / "target")
     prompts = [chat_prompt(tokenizer, q) for q in DEMO_QUESTIONS[:args.num_questions]]
     with tempfile.TemporaryDirectory(prefix="exspec-demo-") as tmp:
-        repository = write_repository(Path(tmp) / "models", pair, "draft_model", args.k, MODEL)
-        print(f"starting tritonserver: SmolLM2-135M-Instruct (float32) with its trained draft, "
+        proposer = demo_proposer(pair)
+        repository = write_repository(Path(tmp) / "models", pair, proposer, args.k, MODEL)
+        with_what = "its EAGLE-3 head" if proposer == "eagle3" else "its trained draft"
+        print(f"starting tritonserver: SmolLM2-135M-Instruct (float32) with {with_what}, "
               f"from {pair} ...", flush=True)
         started = time.perf_counter()
         with TritonServer(repository, free_ports=True, startup_timeout_s=600,
