@@ -29,13 +29,14 @@ def continuations(target, prompts: list[list[int]], tokens: int) -> tuple[torch.
     return ids, mask
 
 
-def train_head(target_path: str, out: str, layer_ids: tuple[int, ...], prompts: list[list[int]],
+def train_head(target, out: str, layer_ids: tuple[int, ...], prompts: list[list[int]],
                draft_size: int | None = None, batches: int = 300, seed: int = 0) -> str:
-    """Train a head on the target's greedy continuations of `prompts` (3 unrolled steps);
-    `draft_size`: a reduced draft vocabulary (the target's most picked ids, through d2t), else
-    the whole. Returns `out`."""
+    """Train a head on the target's (a model, or its folder) greedy continuations of `prompts`
+    (3 unrolled steps); `draft_size`: a reduced draft vocabulary (the target's most picked ids,
+    through d2t), else the whole. Returns `out`."""
     torch.manual_seed(seed)
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    if isinstance(target, str):
+        target = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     seqs, mask = continuations(target, prompts, 40)
     with torch.no_grad():
         tap = LayerInputs(target, layer_ids)

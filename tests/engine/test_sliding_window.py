@@ -138,3 +138,20 @@ def test_draft_and_target_with_different_windows(method):
                        pair=mixed)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert [o.token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_an_eagle3_head_on_a_sliding_window_target_is_exact(method, tmp_path):
+    """An EAGLE-3 head (full attention, its own cache) drafting for a Mistral target whose every
+    layer slides (window 5): exact while the window slides, with rows keeping different numbers
+    of drafts (the head is trained here on the target's continuations of these prompts)."""
+    from exspec.models.eagle3 import load_head
+    from eagle3kit import train_head
+    pair, _ = shaped("mistral")
+    folder = train_head(pair.target, str(tmp_path / "head"), (0, 1, 1), PROMPTS, batches=200)
+    head = load_head(folder, pair.target, torch.float32, "cpu")
+    with_head = ModelPair(pair.tokenizer, pair.target, None, set(), 256, head=head)
+    engine = LLMEngine(EngineConfig(target_model="m", draft_model=folder, proposer="eagle3",
+                                    method=method, num_speculative_tokens=3, max_batch_size=4,
+                                    adaptive_k=False), pair=with_head)
+    assert_exact_while_it_slides("mistral", method, *run(engine))
