@@ -188,9 +188,9 @@ def write_repository(out: Path, pair_dir: Path, proposer: str = "ngram", k: int 
 
 def ensure_pair(pair_dir: Path = PAIR_DIR, log=print, draft_source: Path = DRAFT_DIR,
                 shipped: Path = REPOSITORY) -> Path:
-    """pair_dir with target/, draft/ (where the trained draft's source is present) and the
-    model repository `make serve` serves, made if missing; the target's checksum always
-    checked."""
+    """pair_dir with target/, draft/ and eagle3/ (where the trained draft's and head's sources
+    are present) and the model repository `make serve` serves, made if missing; the target's
+    checksum always checked."""
     target, draft = pair_dir / "target", pair_dir / "draft"
     if not (target / "model.safetensors").exists():
         start = time.monotonic()
@@ -250,6 +250,7 @@ def main(argv=None) -> None:
     repository = args.repository or pair / "model_repository"
     print(f"real pair ready in {pair}: target/ (SmolLM2-135M-Instruct, float32)"
           + (", draft/ (the trained draft)" if (pair / "draft").exists() else "")
+          + (", eagle3/ (the trained EAGLE-3 head)" if (pair / "eagle3").exists() else "")
           + f"\nserve it (model {SERVED_NAME!r}, n-gram proposer): "
           f"exspec-serve --model-repository {repository}   (or: make serve)")
 
