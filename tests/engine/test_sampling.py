@@ -67,12 +67,13 @@ def penalized(logits, prefix, repetition_penalty, frequency_penalty, presence_pe
     return x - frequency_penalty * counts - presence_penalty * (counts > 0)
 
 
-def sample_engine(pair, seeds, coupling, vocab: int = VOCAB, extra: dict | None = None) -> tuple[torch.Tensor, dict]:
+def sample_engine(pair, seeds, coupling, vocab: int = VOCAB, extra: dict | None = None,
+                  method: str = "eqspec", proposer: str = "draft_model") -> tuple[torch.Tensor, dict]:
     target, draft, tokenizer = pair
     engine = LLMEngine(EngineConfig(target_model=target, draft_model=draft, tokenizer=tokenizer,
-                                    method="eqspec", num_speculative_tokens=1, adaptive_k=False,
+                                    method=method, num_speculative_tokens=1, adaptive_k=False,
                                     max_batch_size=256, max_num_seqs=256, max_queue_len=SAMPLES + 1,
-                                    sampling_coupling=coupling))
+                                    sampling_coupling=coupling, proposer=proposer))
     outs = engine.generate([PROMPT] * len(seeds),
                            [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, **PARAMS, **(extra or {}))
                             for s in seeds])
@@ -105,6 +106,28 @@ def test_joint_distribution_of_three_tokens_matches_target(small_vocab_pair, cou
     accepted_share = stats["acceptance_rate"]
     assert 0.10 <= accepted_share <= 0.70, f"acceptance {accepted_share:.2f} exercises too little"
     pvalue = chi2_pvalue(counts, target_joint(small_vocab_pair[0]))
+    assert pvalue > 1e-3, f"engine samples differ from the target distribution (p={pvalue:.2e})"
+
+
+@pytest.mark.parametrize("coupling", ["rejection", "gumbel"])
+def test_an_eagle3_heads_drafts_keep_the_target_distribution(small_vocab_pair, tmp_path, coupling):
+    """An EAGLE-3 head as the proposer (EXSPEC), over a reduced draft vocabulary of 8 of the 12
+    ids: its q is zero at the other 4, which the target still samples (through rejections'
+    residuals and bonus tokens). The joint distribution of three tokens stays the target's."""
+    from transformers import AutoModelForCausalLM
+    from exspec.models.eagle3 import head_for, save_head
+    target_path, _, tokenizer = small_vocab_pair
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32)
+    torch.manual_seed(5)
+    head = head_for(target, (0, 1, 1), draft_ids=[0, 1, 2, 3, 5, 7, 8, 10])
+    with torch.no_grad():
+        head.lm_head.weight.mul_(0.05)   # flat: kept about as often as rejected
+    save_head(head, tmp_path / "head", dtype=torch.float32)
+    counts, stats = sample_engine((target_path, str(tmp_path / "head"), tokenizer), range(SAMPLES),
+                                  coupling, method="exspec", proposer="eagle3")
+    assert 0.10 <= stats["acceptance_rate"] <= 0.70, stats["acceptance_rate"]
+    assert counts[[4, 6, 9, 11]].sum() > 0   # a token the head never proposes is still sampled
+    pvalue = chi2_pvalue(counts, target_joint(target_path))
     assert pvalue > 1e-3, f"engine samples differ from the target distribution (p={pvalue:.2e})"
 
 
