@@ -38,7 +38,16 @@ class HeadState(KVState):
     def __init__(self, kv, model, features: torch.Tensor, counts: list[int]):
         super().__init__(kv, model)
         self.features = features   # [B, W, hidden], right-aligned
-        self.counts = counts       # per row, its features in `features`
+        self.counts = counts       # per row, its features in `features` and `plain`
+        # plain steps' features [B, 1, hidden] each, after `features`: joined only when read,
+        # so a long run of plain steps appends in O(1) instead of copying the buffer each step
+        self.plain: list[torch.Tensor] = []
+
+    def joined(self) -> torch.Tensor:
+        """Every feature the head has not taken, [B, W, hidden], right-aligned."""
+        if self.plain:
+            self.features, self.plain = torch.cat([self.features, *self.plain], dim=1), []
+        return self.features
 
     @classmethod
     def empty(cls, kv, model, batch: int, device) -> "HeadState":
@@ -47,13 +56,13 @@ class HeadState(KVState):
 
     def select(self, rows: list[int]) -> int:
         moved = super().select(rows)
-        self.features = self.features[torch.tensor(rows, device=self.features.device)]
+        self.features = self.joined()[torch.tensor(rows, device=self.features.device)]
         self.counts = [self.counts[i] for i in rows]
         return moved + self.features.nbytes
 
     def compact(self) -> int:
         moved = super().compact()
-        width = max(self.counts, default=1)
+        width = max(max(self.counts, default=1) - len(self.plain), 1)   # the plain ones come last
         if width < self.features.shape[1]:
             self.features = self.features[:, -width:]
         return moved
@@ -61,24 +70,28 @@ class HeadState(KVState):
     @classmethod
     def concat(cls, parts: list["HeadState"]) -> tuple["HeadState", int]:
         kv, moved = KVState.concat(parts)
-        width = max(p.features.shape[1] for p in parts)
-        features = torch.cat([torch.nn.functional.pad(p.features, (0, 0, width - p.features.shape[1], 0))
-                              for p in parts])
+        joined = [p.joined() for p in parts]
+        width = max(f.shape[1] for f in joined)
+        features = torch.cat([torch.nn.functional.pad(f, (0, 0, width - f.shape[1], 0)) for f in joined])
         state = cls(kv.kv, kv.model, features, [c for p in parts for c in p.counts])
         return state, moved + features.nbytes
 
-    def take_prefill(self, chunk: torch.Tensor, fed: list[int]) -> torch.Tensor:
+    def take_prefill(self, chunk: torch.Tensor, valid: torch.Tensor, fed: list[int]) -> torch.Tensor:
         """The features of a prefill chunk's entries (`chunk`: the target's features of the
-        chunk's positions [B, W, hidden], left-padded as its ids; `fed`: tokens per row): entry
-        s + j takes position s + j - 1's, the first the buffer's; the buffer keeps the chunk's
-        last (a row fed nothing keeps its own)."""
-        features = torch.cat([self.features[:, -1:], chunk], dim=1)
-        last = features[:, -1:]
+        chunk's positions [B, W, hidden], left-padded as its ids, `valid` [B, W] which columns
+        are real; `fed`: tokens per row): entry s + j takes position s + j - 1's, so each row's
+        first real column takes the buffer's (not the pad's before it); the buffer keeps the
+        chunk's last (a row fed nothing keeps its own)."""
+        before = self.joined()[:, -1:]
+        features = torch.cat([before, chunk[:, :-1]], dim=1)   # one position back
+        first = valid & ~torch.nn.functional.pad(valid[:, :-1], (1, 0), value=False)
+        features = torch.where(first[..., None], before, features)
+        last = chunk[:, -1:]
         if min(fed) == 0:
             fed_rows = torch.tensor([f > 0 for f in fed], device=chunk.device)[:, None, None]
-            last = torch.where(fed_rows, last, self.features[:, -1:])
+            last = torch.where(fed_rows, last, before)
         self.features, self.counts = last, [1] * len(fed)
-        return features[:, :-1]
+        return features
 
     def keep_verified(self, verified: torch.Tensor, width: int, kept: torch.Tensor,
                       accepted: list[int]) -> None:
@@ -87,11 +100,11 @@ class HeadState(KVState):
         right-aligned."""
         shift = (torch.arange(width + 1, device=kept.device) - (width - kept)[:, None]).clamp_min(0)
         self.features = verified.gather(1, shift[..., None].expand(-1, -1, verified.shape[-1]))
-        self.counts = [a + 1 for a in accepted]
+        self.plain, self.counts = [], [a + 1 for a in accepted]
 
     def append(self, features: torch.Tensor) -> None:
         """A plain step's feature [B, 1, hidden] (the pending token's position) joins the buffer."""
-        self.features = torch.cat([self.features, features], dim=1)
+        self.plain.append(features)
         self.counts = [c + 1 for c in self.counts]
 
 
@@ -99,27 +112,26 @@ class Eagle3Proposer(DraftModelProposer):
     name = "eagle3"
 
     def __init__(self, head, target):
-        super().__init__(head)
-        self.head = head
+        super().__init__(head)   # self.model: the head
         self.layer_inputs = LayerInputs.of(target, head.layer_ids)
         self._feature: torch.Tensor | None = None   # the next forward's features, while drafting
 
     def new_state(self, layout, batch: int, device) -> HeadState:
-        return HeadState.empty(layout.empty(self.head, batch, device), self.head, batch, device)
+        return HeadState.empty(layout.empty(self.model, batch, device), self.model, batch, device)
 
     def _target_features(self) -> torch.Tensor:
         """The features of the target's last forward, every position's."""
-        return self.head.project(self.layer_inputs.take())
+        return self.model.project(self.layer_inputs.take())
 
     def _forward(self, runner: Runner, kv, ids, pos, valid, counts, decode: bool = True):
-        out = runner.forward_output(self.head, kv, ids, pos, valid, counts, keep=1, decode=decode,
+        out = runner.forward_output(self.model, kv, ids, pos, valid, counts, keep=1, decode=decode,
                                     features=self._feature)
         self._feature = out.hidden   # the next draft's feature: this one's output
         return out.logits.to(runner.device)
 
     def prefill(self, runner: Runner, state: HeadState, ragged: tuple) -> None:
         ids, pos, valid, fed = ragged
-        self._feature = state.take_prefill(self._target_features(), fed)
+        self._feature = state.take_prefill(self._target_features(), valid, fed)
         self._forward(runner, state.kv, ids, pos, valid, fed, decode=False)
         runner.stats.add("prefill_tokens_draft", sum(fed))
 
@@ -138,7 +150,7 @@ class Eagle3Proposer(DraftModelProposer):
                 sent: list[torch.Tensor], step: StepState) -> Proposal:
         tails, at = staged
         first = runner.read_ragged(sent[at], tails)
-        self._feature = state.features[:, -first[0].shape[1]:]
+        self._feature = state.joined()[:, -first[0].shape[1]:]
         with runner.stats.timer("draft"):
             return self._draft(runner, state, len(seqs), plan.width, step, first)
 
