@@ -98,7 +98,13 @@ class Eagle3Head(LlamaPreTrainedModel):
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         # draft id -> target id offset (vLLM's d2t); unused when the vocabularies are one
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        # the target id of each draft id (d2t applied once, not per draft forward: map_vocab)
+        self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size), persistent=False)
         self.post_init()
+
+    def map_vocab(self) -> None:
+        """Derive `draft_ids` from `d2t`, once its values are set."""
+        self.draft_ids = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -131,8 +137,7 @@ class Eagle3Head(LlamaPreTrainedModel):
         if not self.reduced_vocab:
             return logits
         out = logits.new_full(logits.shape[:-1] + (self.config.vocab_size,), float("-inf"))
-        ids = torch.arange(self.config.draft_vocab_size, device=logits.device) + self.d2t
-        out[..., ids] = logits
+        out[..., self.draft_ids] = logits
         return out
 
 
@@ -155,6 +160,7 @@ def head_for(target, layer_ids: tuple[int, ...] | None = None,
     head = Eagle3Head(config, layer_ids or default_layer_ids(layers), hidden)
     if draft_ids is not None:
         head.d2t.copy_(torch.tensor(sorted(draft_ids)) - torch.arange(len(draft_ids)))
+        head.map_vocab()
     head.embed_tokens.weight = target.get_input_embeddings().weight
     return head
 
@@ -242,11 +248,11 @@ def load_head(folder: str, target, dtype: torch.dtype, device) -> Eagle3Head:
         raise ModelLoadError(f"{where}: weights of other shapes: {', '.join(wrong)}")
     head.load_state_dict(weights, strict=False)
     head = head.to(dtype=dtype, device=device)
-    head.d2t = head.d2t.long()
     if shared:   # the target's own tensor: no copy
         head.embed_tokens.weight = target.get_input_embeddings().weight
+    head.map_vocab()
     if head.reduced_vocab:
-        drafted = torch.arange(config.draft_vocab_size, device=head.d2t.device) + head.d2t
+        drafted = head.draft_ids
         if int(drafted.min()) < 0 or int(drafted.max()) >= vocab or drafted.unique().numel() != len(drafted):
             raise ModelLoadError(f"{where}: d2t maps draft ids outside the target's {vocab} ids "
                                  "or two draft ids to one target id")
@@ -275,7 +281,7 @@ def save_head(head: Eagle3Head, folder: str | Path, dtype: torch.dtype = torch.f
         weights[name] = tensor.contiguous() if name == "d2t" else tensor.to(dtype).contiguous()
     if head.reduced_vocab:   # the inverse map, as EAGLE's and SpecForge's checkpoints carry it
         t2d = torch.zeros(head.config.vocab_size, dtype=torch.bool)
-        t2d[torch.arange(head.config.draft_vocab_size) + head.d2t.cpu()] = True
+        t2d[head.draft_ids.cpu()] = True
         weights["t2d"] = t2d
     else:
         weights.pop("d2t")
