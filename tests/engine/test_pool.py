@@ -430,21 +430,55 @@ def test_injected_crash_escapes_the_tick_and_bad_fault_keys_are_refused(pairs):
 
 def test_draft_stop_ends_a_round_only_where_drafting_on_does_not_pay():
     """Calibrated: drafts the draft is 10-20% sure of are always rejected, 80-90% sure ones
-    always accepted. With costly drafts the round ends after an unsure draft at every depth
-    (threshold above 0.2), never after a sure one (threshold at most 0.8); with drafts almost
-    free it never ends early; a depth whose round cost is unknown never stops."""
+    always accepted. With costly drafts the round ends after an unsure draft, never after a sure
+    one, nor where one row's sure drafts still pay for the round; with drafts almost free a
+    coin-flip draft does not end it; a depth whose round cost is unknown never ends it; a fixed confidence
+    ends it where every row is below it (Hugging Face's rule)."""
     stop = DraftStop()
     for _ in range(50):
-        stop.observe([[1], [8]], [0, 1], [1, 1])
+        stop.observe([[8, 8, 8, 1], [8, 8, 8, 8]], [3, 4], [4, 4])
     calibrated = stop.acceptance_by_bin()
     assert calibrated[1] < 0.1 and calibrated[8] > 0.9
     assert calibrated == sorted(calibrated)   # non-decreasing in confidence
-    hazards = [0.2] * 5
-    costly = stop.thresholds(5, hazards, lambda j: 1.0 + 0.2 * j)   # k = 5 still pays most
-    assert len(costly) == 4 and all(0.2 <= t <= 0.8 for t in costly), costly
-    assert stop.thresholds(5, hazards, lambda j: 1.0 + 0.001 * j) == [0.0] * 4
-    assert stop.thresholds(5, hazards, lambda j: None if j == 2 else 1.0 + 0.2 * j)[1] == 0.0
-    assert DraftStop(0.4).thresholds(5, hazards, lambda j: None) == [0.4] * 4
+    hazards, costly = [0.2] * 5, (lambda j: 1.0 + 0.2 * j)   # k = 5 still pays most
+
+    def ends(confidences_by_depth, cost=costly, rule=stop):
+        """After which draft (1-based) the round ends; None: drafted whole."""
+        round_ = rule.round(5, hazards, cost)
+        return next((j for j, c in enumerate(confidences_by_depth, 1) if round_.ends_after(j, c)), None)
+
+    assert ends([[0.85]] * 4) is None                     # sure all the way
+    assert ends([[0.85], [0.85], [0.15], [0.85]]) == 3    # ends after the unsure draft
+    assert ends([[0.15], [0.85], [0.85], [0.85]]) == 1
+    assert ends([[0.85, 0.15]] * 4) is None               # one row's sure drafts pay for the round
+    assert ends([[0.15, 0.15], [0.85, 0.85]]) == 1        # neither row expects a kept draft
+    assert ends([[0.55]] * 4) == 2                        # two coin flips: drafting on does not pay
+    assert ends([[0.55]] * 4, cost=lambda j: 1.0 + 0.001 * j) is None   # ... a nearly free one
+    assert ends([[0.15]] * 4, cost=lambda j: None if j == 1 else costly(j)) == 2
+    fixed = DraftStop(0.4)
+    assert ends([[0.85, 0.3], [0.3, 0.3]], rule=fixed) == 2
+    assert ends([[0.85, 0.3], [0.85, 0.3]], cost=lambda j: None, rule=fixed) is None
+
+
+def test_draft_stop_calibrates_each_depth_toward_every_depth():
+    """A draft deep in a kept run is kept more often than its confidence says: acceptance is
+    calibrated per depth, shrunk toward every depth's. 30% sure first drafts are rejected, 30%
+    sure fourth drafts (after three kept) accepted: the round ends after the first, drafts on
+    past the fourth; a depth never seen takes every depth's calibration."""
+    stop = DraftStop()
+    for _ in range(100):
+        stop.observe([[3], [9, 9, 9, 3, 9]], [0, 5], [5, 5])
+    assert stop.acceptance_by_bin(1)[3] < 0.3 and stop.acceptance_by_bin(4)[3] > 0.8
+    assert 0.4 < stop.acceptance_by_bin()[3] < 0.6
+    assert stop.acceptance_by_bin(7) == stop.acceptance_by_bin()
+    cost = lambda j: 1.0 + 0.3 * j
+    assert stop.round(5, [0.05] * 5, cost).ends_after(1, [0.35])
+    round_ = stop.round(5, [0.05] * 5, cost)
+    assert not any(round_.ends_after(j, [c]) for j, c in ((1, 0.95), (2, 0.95), (3, 0.95), (4, 0.35)))
+    # every depth's calibration (0.5 at 30%) would have ended that round after the fourth draft
+    stop.acceptance_by_bin = lambda depth=None: DraftStop.acceptance_by_bin(stop)
+    round_ = stop.round(5, [0.05] * 5, cost)
+    assert [round_.ends_after(j, [c]) for j, c in ((1, 0.95), (2, 0.95), (3, 0.95), (4, 0.35))][-1]
 
 
 def test_draft_stop_counts_only_drafts_the_target_verified():

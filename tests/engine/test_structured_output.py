@@ -23,6 +23,7 @@ from exspec.demo.tiny import build_tokenizer, llama, noisy_copy
 from exspec.sampling.noise import gumbel
 from exspec.sampling.sampler import RowSampling, perturbed_scores
 from exspec.sampling.structured_output import Grammars, StructuredOutput
+from exspec.spec.draft_stop import RoundStop
 
 from enginekit import first_difference
 
@@ -184,8 +185,8 @@ def test_adaptive_k_and_draft_stop_keep_constrained_output_exact(pair, method):
     check_rows(pair, adaptive, rows, f"{method} adaptive k:")
     assert len({k for _, k in adaptive.stats_.steps_by_shape}) > 1, "k never changed"
     stopping = make_engine(pair, method, k=4)
-    # thresholds forced high (this draft is confident): a round ends at its first unsure draft
-    stopping.pool.scheduler.stop_for = lambda group, k: [0.999] * (k - 1) if k > 1 else None
+    # a stop forced high (this draft is confident): a round ends at its first unsure draft
+    stopping.pool.scheduler.stop_for = lambda group, k: RoundStop(fixed=0.999) if k > 1 else None
     check_rows(pair, stopping, rows, f"{method} draft stop:")
     assert stopping.stats_.counts["draft_stopped_steps"] > 0, "no round of drafts ended early"
 

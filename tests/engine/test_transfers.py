@@ -106,8 +106,8 @@ def test_every_step_of_a_churning_schedule_copies_once_each_way(pairs, reference
     """Arrivals, aborts, chunked prefill, merges, rows leaving, mixed greedy and sampled rows,
     per-request k caps and (adaptive) plain steps with the draft's catch-up: every step and every
     prefill of every tick within one copy each way, and every output still the target-only one.
-    (Adaptive k's draft stop is off, as on a GPU by default: it reads one bool per draft depth
-    where the round may stop, design: "One speculative step".)"""
+    (Adaptive k's draft stop is off, as on a GPU by default: it reads the rows' confidences per
+    draft token, design: "One speculative step".)"""
     engine = make_engine(pairs, "llama", "independent", method=method, max_batch_size=4,
                          max_num_seqs=8, num_speculative_tokens=3, adaptive_k=adaptive,
                          draft_stop_confidence=0 if adaptive else None, max_num_batched_tokens=24)

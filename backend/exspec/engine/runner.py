@@ -271,12 +271,10 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, group: Group, k: int, stop: list[float] | None = None,
-             width_for=None) -> StepResult:
+    def step(self, group: Group, k: int, stop=None, width_for=None) -> StepResult:
         """One speculative step at k (0: plain): propose, verify, accept, commit. `stop`
-        (draft_stop.py), per draft depth 1 .. k-1: a confidence below which, in every row, the
-        round ends after that draft; with it the draft's confidences are measured and returned
-        (a host read per draft token). `width_for`: proposal lengths known on the host -> the
+        (draft_stop.RoundStop): where the round of drafts may end early; with it the drafts'
+        confidences are measured (a host read per draft token) and their bins returned. `width_for`: proposal lengths known on the host -> the
         width to verify (AdaptiveK.width)."""
         seqs, state = group.seqs, group.proposer_state
         plan = self.proposer.plan(self, seqs, k, width_for)

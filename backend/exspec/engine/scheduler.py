@@ -150,13 +150,13 @@ class Scheduler:
             return None
         return lambda lengths: self.adaptive.width(len(group), lengths)
 
-    def stop_for(self, group: Group, k: int) -> list[float] | None:
-        """The step's draft-stop thresholds per draft depth 1 .. k-1 (None: no stop)."""
+    def stop_for(self, group: Group, k: int):
+        """The step's draft stop (draft_stop.RoundStop; None: no stop)."""
         if self.draft_stop is None or k < 2:
             return None
         batch = len(group)
         hazards = self.adaptive.hazards(group.acceptance(self.adaptive.acceptance))
-        return self.draft_stop.thresholds(k, hazards, lambda j: self.adaptive.cost(batch, j))
+        return self.draft_stop.round(k, hazards, lambda j: self.adaptive.cost(batch, j))
 
     def observe(self, group: Group, k: int, result: StepResult, seconds: float,
                 draft_seconds: float) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling.structured_output import apply_masks
-from .draft_stop import confidence_bins
+from .draft_stop import confidence_bin, confidences
 from .proposer import KVState, Plan, Proposal, Proposer, Runner, StepState
 from .vocab import PaddedVocab
 
@@ -78,8 +78,8 @@ class DraftModelProposer(Proposer):
                first_input) -> Proposal:
         """k draft tokens per row (their distributions when sampling, and with `step.stop` their
         confidence bins), feeding the draft only what its cache lacks (`first_input`: ids,
-        positions, validity, counts). With `stop`, maybe fewer: the round ends after draft j
-        once every row's draft gives its token less than stop[j - 1] of its probability; the
+        positions, validity, counts). With `stop` (draft_stop.RoundStop), maybe fewer: the
+        round ends after a draft where the rows' confidences say drafting on does not pay; the
         verification's answer does not depend on how many drafts it checks.
         With grammars (`step.masks`, their first position's started), each draft is proposed
         under its position's mask and, after it, the next position's mask is started from the
@@ -89,7 +89,7 @@ class DraftModelProposer(Proposer):
         stop = step.stop if step.coupled else None
         drafted: list[list[int]] = [[] for _ in range(batch)]
         ids, pos, valid, counts = first_input
-        tokens, probs, logits_seen = [], [], []
+        tokens, probs, seen = [], [], []
         for j in range(k):
             logits = self._forward(runner, state.kv, ids, pos, valid, counts)
             if step.processing is not None:   # the target's rule, on the drafts so far
@@ -104,15 +104,15 @@ class DraftModelProposer(Proposer):
                     row.append(t)
                 masks.extend(drafted, j + 2)
             if stop is not None:
-                logits_seen.append(logits)
-                # a host read only where this depth may end the round
-                if j + 1 < k and stop[j] > 0 and bool((confidence_bins(logits[:, 0])[0] < stop[j]).all()):
+                seen.append(confidences(logits[:, 0]))
+                # one host read per draft that may end the round (draft_stop.RoundStop)
+                if j + 1 < k and stop.ends_after(j + 1, runner.transfers.to_host(seen[-1])):
                     break
             if j + 1 < k:
                 ids, pos = token[:, None], (step.next_pos + j)[:, None]
                 valid, counts = torch.ones_like(ids, dtype=torch.bool), [1] * batch
-        # every draft's confidence bin at once (the calibration's input): one op per step, not per draft
-        bins = confidence_bins(torch.cat(logits_seen, dim=1))[1] if logits_seen else None
+        # the drafts' confidence bins, the calibration's input, come down with the step's copy
+        bins = confidence_bin(torch.stack(seen, 1)) if seen else None
         return Proposal(len(tokens), torch.stack(tokens, 1),
                         None if probs[0] is None else torch.stack(probs, 1),
                         masks=masks, confidence_bins=bins)

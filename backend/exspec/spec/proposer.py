@@ -62,7 +62,7 @@ class StepState:
     next_pos: torch.Tensor            # [B] the first draft's position
     masks: StepMasks | None           # the grammars' allowed tokens, being filled
     processing: object | None         # the rows' logits processing (logits_processing.RowProcessing)
-    stop: list[float] | None          # draft stop thresholds per depth (draft_stop.py)
+    stop: object | None               # the round's draft stop (draft_stop.RoundStop)
 
 
 @dataclass
