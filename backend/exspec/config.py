@@ -85,9 +85,8 @@ class EngineConfig:
     adaptive_k: bool = True               # choose k per group from measured acceptance
     draft_stop_confidence: float | str | None = None   # adaptive k: a round of drafts ends at
                                           # a draft token its draft gives less than this; "auto":
-                                          # the break-even confidence, from measurements
-                                          # (draft_stop.py); None: "auto" on CPU, 0 (off) on a
-                                          # GPU, where each check is a host read
+                                          # where drafting on does not pay, from measurements
+                                          # (draft_stop.py); None or 0: off (docs/engine.md)
     max_batch_size: int = 8               # rows verified in one step
     max_num_seqs: int = 64                # sequences holding KV state in the pool
     max_num_kv_tokens: int | None = None  # KV entries (both models) in the pool; None = no limit on CPU
@@ -272,9 +271,7 @@ class EngineConfig:
             return 0.0
         if self.draft_stop_confidence == "auto":
             return "auto"
-        if self.draft_stop_confidence is not None:
-            return float(self.draft_stop_confidence)
-        return "auto" if self.device == "cpu" else 0.0
+        return float(self.draft_stop_confidence or 0.0)
 
     @property
     def speculative(self) -> bool:

@@ -212,7 +212,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-stop", type=_draft_stop, default=None, metavar="auto|C",
                     help="adaptive k's draft stop (model.json draft_stop_confidence): auto, or a "
-                         "confidence in [0, 1), 0 = off (default: the engine's, auto on CPU)")
+                         "confidence in [0, 1), 0 = off (default: the engine's, off)")
     ap.add_argument("--interleave", choices=("tick", "run"), default="tick",
                     help="tick (default): each repeat runs its cells side by side, one tick (an "
                          "engine step, a Hugging Face generate call) of each in turn, each tick "
