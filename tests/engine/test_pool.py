@@ -396,11 +396,12 @@ def test_scheduler_picks_starving_group_and_merges_equal_lengths():
 
 @pytest.mark.parametrize("fault", ["forward_error_every", "forward_oom_every"])
 @pytest.mark.parametrize("chunk", [None, 32])
-def test_injected_forward_faults_fail_only_a_row_stepping_alone(pairs, reference, fault, chunk):
+def test_injected_forward_faults_fail_only_a_row_stepping_alone(pairs, reference, fault, chunk, caplog):
     """Every 23rd forward raises. A failure in a forward several rows share sends each back to
     be prefilled again (prompt and output; in chunks of `chunk` tokens when the tick's budget is
     that small) and stepped alone; only a row whose own forward raises while alone ends with the
-    error. Every other row equals target-only."""
+    error. Every other row equals target-only. Each isolation is a warning in the log, with the
+    error, so a failure every shared step meets is not hidden behind exact outputs."""
     from exspec.utils.faults import EngineCrash  # noqa: F401  (the module documents the keys)
     engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=4,
                          max_num_seqs=8, max_num_batched_tokens=chunk, fault_injection={fault: 23})
@@ -414,6 +415,11 @@ def test_injected_forward_faults_fail_only_a_row_stepping_alone(pairs, reference
             assert o.token_ids == reference(pairs["llama", "target"], p, 20)
     stats = engine.stats()
     assert stats["isolated_rows"] > 0, "no fault hit a shared forward: lower the fault period"
+    shared = [r.getMessage() for r in caplog.records if "run on their own" in r.getMessage()]
+    assert shared and all("injected fault" in m for m in shared), caplog.text[-2000:]
+    assert len(shared) <= stats["isolated_rows"]
+    alone = [r.getMessage() for r in caplog.records if "failed on its own" in r.getMessage()]
+    assert len(alone) == len(failed) and all("injected fault" in m for m in alone)
     assert stats["pool_seqs"] == 0 and not engine.pool.waiting
 
 

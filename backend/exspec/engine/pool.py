@@ -8,6 +8,7 @@ The policy lives in `scheduler.py`; this module only holds state and carries pla
 """
 from __future__ import annotations
 
+import logging
 import time
 import traceback
 
@@ -22,6 +23,8 @@ from .prefix_caching import PrefixCaching
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
+
+log = logging.getLogger("exspec")
 
 Touched = tuple[Sequence, list[int], "list[TokenLogprob] | None"]
 
@@ -296,6 +299,13 @@ class SequencePool:
                 touched.append(self._since(seq, n))
         self.waiting.extendleft(reversed(again))
         self.stats.add("isolated_rows", len(again))
+        cause = error.strip().splitlines()[-1] if error.strip() else "unknown error"
+        if alone:
+            log.warning("exspec: request %s failed on its own and ended with the error: %s",
+                        seqs[0].request_id, cause)
+        elif again:   # a counter alone would hide a bug that every shared step meets
+            log.warning("exspec: a step shared by %d rows failed (%s); %d unfinished rows run on "
+                        "their own until they step again", len(seqs), cause, len(again))
         return touched
 
     def _fail(self, seqs: list[Sequence], error: str) -> list[Touched]:
