@@ -337,6 +337,23 @@ def test_proposals_are_priced_by_their_own_length():
     assert adaptive.width(8, [1] + [0] * 7) == 0
 
 
+def test_a_cut_proposal_counts_toward_its_own_length_not_the_cut():
+    """Sure 5-token proposals cut to 3 (every verified token kept) and genuine 3-token guesses
+    (the first token lost) at B = 8: the cut proposals' kept tokens count toward length 5, so
+    3-token proposals look as unsure as they are and 5-token ones as sure. Counted at the cut
+    length they made 3-token proposals look sure and left length 5 unmeasured (prior-driven)."""
+    adaptive = AdaptiveK(5)
+    for _ in range(20):
+        adaptive.observe(8, 3, 1.0 + 0.05 * 3, 0.0, [3] * 4 + [0] * 4, [3] * 8, [5] * 4 + [3] * 4)
+    assert adaptive.kept_hazards(5)[0] < 0.1 and adaptive.kept_hazards(3)[0] > 0.8
+    assert sum(adaptive.proposed_verified[2]) == pytest.approx(sum(adaptive.proposed_rejected[2]))
+    # rows that proposed as long as they were verified: as before
+    plain = AdaptiveK(5)
+    for _ in range(20):
+        plain.observe(8, 3, 1.15, 0.0, [3] * 4 + [0] * 4, [3] * 8)
+    assert plain.kept_hazards(3)[0] == pytest.approx(0.5, abs=0.05)
+
+
 def test_with_proposals_known_before_the_step_k_is_only_the_rows_cap():
     """Per step (a lookup proposer), adaptive k leaves the pricing to `width` and k is the cap:
     one plain step first measures plain decoding at the bucket, then k stays at the cap even

@@ -224,12 +224,17 @@ class AdaptiveK:
         return choice
 
     def observe(self, batch: int, k: int, seconds: float, draft_seconds: float,
-                accepted: list[int], proposed: list[int] | None = None) -> None:
+                accepted: list[int], proposed: list[int] | None = None,
+                lengths: list[int] | None = None) -> None:
         """A step at k took `seconds`, `draft_seconds` of them drafting; `proposed`: per row,
         the drafts it verified when rows differ (n-gram), else k each. A proposal that ended
         at n < k yielded nothing at depth n + 1: that depth counts as verified and rejected, so
         the hazards give what a row-step commits (a proposer that seldom matches yields little,
-        and plain decoding wins where it is cheaper)."""
+        and plain decoding wins where it is cheaper). `lengths`: per row, its proposal's length
+        before `width` cut it; the kept-token counts are per that length (a cut proposal's
+        tokens past the cut were never verified, which says nothing of them; counted at the
+        cut length instead, a sure long proposal cut to 3 made 3-token proposals look sure
+        and left the long ones' own counts thin, so they were cut again)."""
         b = self.bucket(batch)
         if k == 0:
             if b in self.rest:
@@ -248,16 +253,16 @@ class AdaptiveK:
                   for j in range(self.max_k)]
         for counts in (self.verified, self.rejected, *self.proposed_verified, *self.proposed_rejected):
             counts[:] = [d * c for d, c in zip(decays, counts)]
-        for a, n in zip(accepted, proposed):
+        for a, n, length in zip(accepted, proposed, lengths or proposed):
             # drafts 1 .. a+1 were verified (depth n + 1 of a short proposal: nothing to accept)
             for j in range(min(a + 1, k)):
                 self.verified[j] += 1.0
             if a < k:
                 self.rejected[a] += 1.0
-            for j in range(min(a + 1, n)):   # of what the row proposed
-                self.proposed_verified[n - 1][j] += 1.0
+            for j in range(min(a + 1, n)):   # of what the row proposed, as far as verified
+                self.proposed_verified[length - 1][j] += 1.0
             if a < n:
-                self.proposed_rejected[n - 1][a] += 1.0
+                self.proposed_rejected[length - 1][a] += 1.0
 
 
 def _ema(table: dict, key, value: float, weight: float) -> None:

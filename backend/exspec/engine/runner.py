@@ -60,6 +60,7 @@ class StepResult:
     k: int                       # drafts per row this step ran (fewer than planned if stopped)
     confidence_bins: list[list[int]] | None = None   # per row, its drafts' (with `stop`)
     proposed: list[int] | None = None   # per row, drafts verified when rows differ (n-gram)
+    lengths: list[int] | None = None    # ... and its proposal's length before a priced cut
 
 
 class ModelRunner:
@@ -325,7 +326,8 @@ class ModelRunner:
         self._count(seqs, k, accepted, committed, verified)
         bins_at = k + 2 if blocked is None else 2 * k + 3
         return StepResult(committed, accepted, k,
-                          None if bins is None else [row[bins_at:] for row in host], proposed)
+                          None if bins is None else [row[bins_at:] for row in host], proposed,
+                          plan.lengths)
 
     def _upload_step_inputs(self, group: Group, plan: Plan) -> "StepInputs":
         """The step's one host-to-device copy: the proposer's sections (a draft model's first

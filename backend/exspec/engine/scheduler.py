@@ -167,7 +167,7 @@ class Scheduler:
         group.plain_steps_in_a_row = group.plain_steps_in_a_row + 1 if k == 0 else 0
         if self.adaptive is not None:
             self.adaptive.observe(len(group), result.k, seconds, draft_seconds, result.num_accepted,
-                                  result.proposed)
+                                  result.proposed, result.lengths)
         if self.draft_stop is not None and result.confidence_bins is not None:
             caps = [s.drafts_at(result.k) for s in group.seqs]
             self.draft_stop.observe(result.confidence_bins, result.num_accepted, caps)

@@ -27,14 +27,14 @@ class LookupProposer(Proposer):
             # a constrained row proposes only what its grammar accepts
             proposals = [p if s.grammar is None else p[:s.grammar.valid_prefix(p)]
                          for s, p in zip(seqs, proposals)]
-        width = max(map(len, proposals))
+        width, lengths = max(map(len, proposals)), [len(p) for p in proposals]
         if width and width_for is not None:   # priced: what pays of the rows' proposals
-            width = width_for([len(p) for p in proposals])
+            width = width_for(lengths)
             runner.stats.add("cut_proposal_tokens", sum(max(0, len(p) - width) for p in proposals))
             proposals = [p[:width] for p in proposals]
         if width == 0:   # no row found a match, or none that pays: a plain step
             return Plan(0, [0] * len(seqs))
-        return Plan(width, [len(p) for p in proposals], proposals)
+        return Plan(width, [len(p) for p in proposals], proposals, lengths)
 
     def stage(self, runner: Runner, state, seqs, plan: Plan, upload):
         """The verification's input: [pending, proposal] per row, left-padded."""

@@ -48,6 +48,7 @@ class Plan:
     width: int                              # drafts per row the step may verify (0: a plain step)
     caps: list[int]                         # per row, the drafts it may keep
     tokens: list[list[int]] | None = None   # the proposals, when known on the host (rows differ)
+    lengths: list[int] | None = None        # ... and their lengths before a priced cut
 
 
 @dataclass
