@@ -275,8 +275,8 @@ class ModelRunner:
     def step(self, group: Group, k: int, stop=None, width_for=None) -> StepResult:
         """One speculative step at k (0: plain): propose, verify, accept, commit. `stop`
         (draft_stop.RoundStop): where the round of drafts may end early; with it the drafts'
-        confidences are measured (a host read per draft token) and their bins returned. `width_for`: proposal lengths known on the host -> the
-        width to verify (AdaptiveK.width)."""
+        confidences are measured (a host read per draft token) and their bins returned.
+        `width_for`: proposal lengths known on the host -> the width to verify (AdaptiveK.width)."""
         seqs, state = group.seqs, group.proposer_state
         plan = self.proposer.plan(self, seqs, k, width_for)
         inputs = self._upload_step_inputs(group, plan)
