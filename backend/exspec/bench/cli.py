@@ -7,8 +7,10 @@ with the draft, batch size 1 only). Every run puts the same prompts (token ids, 
 sees identical inputs) through one method at one batch size. Within each batch size, after one
 untimed run of the workload per method, every repeat runs all methods side by side, one tick of
 each in turn (--interleave tick: the host's speed swings within seconds, and only methods timed
-at the same moments compare fairly), the order rotated each repeat (A B C, B C A, C A B, ...);
-the median over --repeats of each method's tokens/s is reported.
+at the same moments compare fairly), each round of ticks in a new seeded order (a tick runs
+faster after one that touched the same weights; `run_interleaved`); with --interleave run the
+order is rotated each repeat (A B C, B C A, C A B, ...). The median over --repeats of each
+method's tokens/s is reported.
 
 Output equivalence is measured against target-only greedy Hugging Face `generate` at batch
 size 1, once per prompt; every divergent row is listed with the reference's top-2 logit gap at
@@ -487,7 +489,7 @@ def run_plan(plan: list, args, hf: HFModels, prompts: list[Prompt], costs: CostM
                     bar.set_postfix_str(f"B={batch_size} run {r + 1}/{args.repeats} "
                                         + (together[0].label if len(together) == 1 else "all cells"))
                     timed = run_interleaved([methods[key] for key in together], prompts,
-                                            args.max_tokens, args.device)
+                                            args.max_tokens, args.device, seed=r)
                     for key, run in zip(together, timed):
                         if run.stats is not None:   # sample its forward shapes under today's load
                             costs.measure(costs.shapes(run.stats["steps_by_shape"]))

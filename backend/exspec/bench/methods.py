@@ -6,6 +6,7 @@ methods unit by unit, side by side."""
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -73,18 +74,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_interleaved(methods: list, prompts: list[Prompt], max_tokens: int, device: str) -> list[Run]:
-    """Every method's whole workload, one unit of work of each in turn (A B C A B C ...), each
-    unit timed alone; a method's seconds are the sum of its units'. This host's speed swings by
-    +-20% within seconds, so methods timed one after the other compare different moments (two
-    runs of one workload in a row differed by up to 25%); units of tens of milliseconds taken in
-    turn see the same moments, and their ratios repeat within 1-2%."""
+def run_interleaved(methods: list, prompts: list[Prompt], max_tokens: int, device: str,
+                    seed: int = 0) -> list[Run]:
+    """Every method's whole workload, one unit of work of each in turn, each unit timed alone; a
+    method's seconds are the sum of its units'. This host's speed swings by +-20% within
+    seconds, so methods timed one after the other compare different moments (two runs of one
+    workload in a row differed by up to 25%); units of tens of milliseconds taken in turn see the
+    same moments, and their ratios repeat within 1-2%. Each round of units goes in a new order
+    (shuffled, seeded): a unit runs faster right after one that touched the same weights (cells
+    of one pair share them), and in a fixed cycle (A B C A B C, rotated or not) the same cell
+    always had that neighbour: on the demo pair the cell after its sibling ran 3-6% faster
+    whichever of the two it was."""
     work = [m.ticks(prompts, max_tokens) for m in methods]
     seconds = [0.0] * len(methods)
     results: list = [None] * len(methods)
     live = list(range(len(methods)))
+    order = random.Random(seed)
     while live:
-        for i in list(live):
+        for i in order.sample(live, len(live)):
             start = time.perf_counter()
             try:
                 next(work[i])

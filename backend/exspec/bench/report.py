@@ -199,8 +199,8 @@ def adaptive_against_fixed(cells: list[dict]) -> list[str]:
 
 def interleaving(cfg: dict) -> str:
     if cfg.get("interleave", "run") == "tick":
-        return ("each repeat running a batch size's cells side by side, one tick of each in turn, "
-                "each tick timed alone")
+        return ("each repeat running a batch size's cells side by side, one tick of each in turn "
+                "(each round in a new seeded order), each tick timed alone")
     return "each repeat running a batch size's cells one after another"
 
 
