@@ -280,6 +280,22 @@ def test_paired_ratio_compares_runs_of_the_same_repeat():
     assert ratio(a, None) == "–"
 
 
+def test_findings_name_every_proposer_slower_than_autoregressive():
+    """"Slower than autoregressive" lists every speculative cell below 1x, whatever proposes."""
+    from exspec.bench.report import findings
+
+    def cell(method, adaptive, speedup):
+        return {"method": method, "batch_size": 16, "adaptive_k": adaptive, "k": 5,
+                "sampling_coupling": None, "path": "eager", "speedup_vs_autoregressive": speedup,
+                "ideal_tokens_per_s": None, "realign_share": None}
+    cells = [cell("autoregressive", None, 1.0), cell("exspec", True, 1.8),
+             cell("eqspec_ngram", True, 0.82), cell("exspec_suffix", False, 0.9)]
+    slower = findings(cells)[-1]
+    assert "eqspec_ngram (adaptive k≤5) at B=16" in slower and "exspec_suffix (k=5) at B=16" in slower
+    assert "exspec (" not in slower
+    assert findings(cells[:2])[-1] == "Slower than autoregressive: nowhere."
+
+
 def test_interleaved_methods_take_turns_and_each_is_timed_alone(monkeypatch):
     """run_interleaved: one unit of each live method per round (a method that is done drops
     out), each round in a new seeded order, so no cell always follows the same neighbour (the
