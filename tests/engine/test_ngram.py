@@ -354,6 +354,35 @@ def test_a_cut_proposal_counts_toward_its_own_length_not_the_cut():
     assert plain.kept_hazards(3)[0] == pytest.approx(0.5, abs=0.05)
 
 
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_cut_proposals_reach_adaptive_k_at_their_proposed_length(pairs, cyclic, reference,
+                                                                 monkeypatch, method):
+    """Through the engine, with every priced step cut to 2 while rows propose up to 4: each
+    step's observation carries, per row, the length it proposed beside what was verified, and
+    what they differ by is exactly the tokens the steps cut (`cut_proposal_tokens`); outputs
+    stay the target's. (Without the plumbing adaptive k would silently count cut proposals at
+    the cut length again.)"""
+    target, successor = cyclic
+    seen = []
+    observe = AdaptiveK.observe
+
+    def spy(self, batch, k, seconds, draft_seconds, accepted, proposed=None, lengths=None):
+        if k:
+            seen.append((proposed, lengths))
+        return observe(self, batch, k, seconds, draft_seconds, accepted, proposed, lengths)
+    monkeypatch.setattr(AdaptiveK, "observe", spy)
+    monkeypatch.setattr(AdaptiveK, "width", lambda self, batch, lengths: min(2, max(lengths)))
+    engine = ngram_engine(pairs, target, method=method, adaptive_k=True, max_batch_size=4)
+    prompts = walk_prompts(successor, 6, seed=3)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=30))
+    assert_equivalent(outs, prompts, [30] * len(prompts), reference, target, 256, method)
+    cut = engine.stats()["cut_proposal_tokens"]
+    assert cut > 0 and all(lengths is not None for _, lengths in seen)
+    assert sum(length - n for proposed, lengths in seen
+               for n, length in zip(proposed, lengths)) == cut
+    assert any(length > n for proposed, lengths in seen for n, length in zip(proposed, lengths))
+
+
 def test_with_proposals_known_before_the_step_k_is_only_the_rows_cap():
     """Per step (a lookup proposer), adaptive k leaves the pricing to `width` and k is the cap:
     one plain step first measures plain decoding at the bucket, then k stays at the cap even
