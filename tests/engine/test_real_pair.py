@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from exspec import EngineConfig, LLMEngine, SamplingParams
 from exspec.models.eagle3 import load_head
 from exspec.models.loading import load_pair
-from exspec.models.real_pair import (HEAD_DIR, IM_END, QUESTIONS, chat_prompt, draft_is_current,
+from exspec.models.real_pair import (HEAD_DIR, IM_END, QUESTIONS, chat_prompt, weights_are_current,
                                      ensure_pair)
 
 from enginekit import assert_equivalent, assert_seeded_equivalent
@@ -72,7 +72,7 @@ def test_the_trained_draft_is_installed_and_its_drafts_are_accepted(real_pair):
     the ~1% of drafts that the target's first 2 layers got kept (the trained draft: ~12%; the
     first draft is right ~41% of the time)."""
     pair, _, prompts = real_pair
-    assert draft_is_current(pair / "draft")
+    assert weights_are_current(pair / "draft")
     eng = engine(pair, "exspec", 4)
     eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     stats = eng.stats()
@@ -122,7 +122,7 @@ def test_the_trained_eagle3_head_is_installed_exact_and_its_drafts_are_kept(real
     with it equals target-only, and its first drafts are kept far more often than chance (the
     trained head: ~45% of first positions on held-out chat prompts; a random one: ~0)."""
     pair, _, prompts = real_pair
-    assert draft_is_current(pair / "eagle3", HEAD_DIR)
+    assert weights_are_current(pair / "eagle3", HEAD_DIR)
     eng = eagle3_engine(pair, method, batch)
     outs = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert_equivalent(outs, prompts, [MAX_TOKENS] * len(prompts), reference, str(pair / "target"),

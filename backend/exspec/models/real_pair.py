@@ -114,7 +114,7 @@ DRAFT_FILES = ("config.json", "generation_config.json", "model.safetensors")
 HEAD_FILES = ("config.json", "model.safetensors")
 
 
-def install_draft(out: Path, source: Path = DRAFT_DIR, files: tuple = DRAFT_FILES) -> None:
+def install_weights(out: Path, source: Path = DRAFT_DIR, files: tuple = DRAFT_FILES) -> None:
     """The trained draft's (or head's) weights into `out`, stamped with their checksum so that a
     retrained one replaces an older copy."""
     import shutil
@@ -128,9 +128,10 @@ def install_draft(out: Path, source: Path = DRAFT_DIR, files: tuple = DRAFT_FILE
     tmp.rename(out)
 
 
-def draft_is_current(draft: Path, source: Path = DRAFT_DIR) -> bool:
-    stamp = draft / "SOURCE_SHA256"
-    return (stamp.exists() and (draft / "model.safetensors").exists()
+def weights_are_current(folder: Path, source: Path = DRAFT_DIR) -> bool:
+    """Whether `folder` holds the installed copy of `source`'s weights (install_weights)."""
+    stamp = folder / "SOURCE_SHA256"
+    return (stamp.exists() and (folder / "model.safetensors").exists()
             and stamp.read_text().strip() == sha256(source / "model.safetensors"))
 
 
@@ -205,12 +206,12 @@ def ensure_pair(pair_dir: Path = PAIR_DIR, log=print, draft_source: Path = DRAFT
     if not (draft_source / "model.safetensors").exists():
         log(f"real pair: no trained draft at {draft_source}: the pair has no draft/ (the n-gram "
             "model needs none)")
-    elif not draft_is_current(draft, draft_source):
-        install_draft(draft, draft_source)
+    elif not weights_are_current(draft, draft_source):
+        install_weights(draft, draft_source)
         log(f"real pair: the trained draft ({draft_source.name}) installed in {draft}")
     head_source = draft_source.parent / HEAD_DIR.name
-    if (head_source / "model.safetensors").exists() and not draft_is_current(pair_dir / "eagle3", head_source):
-        install_draft(pair_dir / "eagle3", head_source, HEAD_FILES)
+    if (head_source / "model.safetensors").exists() and not weights_are_current(pair_dir / "eagle3", head_source):
+        install_weights(pair_dir / "eagle3", head_source, HEAD_FILES)
         log(f"real pair: the trained EAGLE-3 head ({head_source.name}) installed in {pair_dir / 'eagle3'}")
     prompts = pair_dir / "prompts.jsonl"
     if not prompts.exists():
