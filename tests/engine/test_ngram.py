@@ -287,7 +287,7 @@ def test_proposals_known_before_the_step_are_verified_only_as_wide_as_pays():
     7 times in 8 do; before plain decoding is measured (width unpriced) proposals go whole."""
     assert AdaptiveK(5).width(8, [1, 0, 3]) == 3
     weak = priced_adaptive(keeping=2)
-    assert weak.width_cost(8) == pytest.approx(0.5)
+    assert weak.costs.relative(8, 1) == pytest.approx(1.5)   # a column: half a plain step
     assert weak.kept_hazards()[0] == pytest.approx(0.75, abs=0.02)
     assert weak.width(8, [1, 1, 0, 0, 0, 0, 0, 0]) == 0
     strong = priced_adaptive(keeping=7)

@@ -233,9 +233,11 @@ def test_intake_from_another_thread_while_stepping(pairs):
 
 
 class G:
-    """The slice of Group that AdaptiveK reads: size, last k, acceptance, plain steps in a row."""
+    """The slice of Group that AdaptiveK reads: size, last k (and the k a probe left),
+    acceptance, plain steps in a row."""
     def __init__(self, n, k, acceptance, plain=0):
         self.n, self.k, self._a, self.plain_steps_in_a_row = n, k, acceptance, plain
+        self.k_before_probe = None
 
     def __len__(self):
         return self.n
@@ -245,10 +247,14 @@ class G:
 
 
 def costs(ak, bucket, rest, draft, plain=None):
-    """Set a bucket's measured costs: a step at k >= 1 takes rest + k x draft."""
-    ak.rest[bucket], ak.draft[bucket] = rest, draft
-    if plain is not None:
-        ak.plain[bucket] = plain
+    """Set a bucket's measured costs: a step at k >= 1 takes rest + k x draft (every width
+    alike), a plain one `plain` x rest (when None: as before, or unmeasured)."""
+    c = ak.costs
+    if plain is None and 0 in c.ratio.get(bucket, {}):
+        plain = c.ratio[bucket][0] * c.level[bucket] / rest
+    c.level[bucket], c.draft[bucket], c.last_k[bucket] = rest, draft, 1
+    c.ratio[bucket] = {1: 1.0, ak.max_k: 1.0} if plain is None else {0: plain, 1: 1.0, ak.max_k: 1.0}
+    c.measured[bucket] = {k: 1 for k in c.ratio[bucket]}
 
 
 def test_adaptive_k_hysteresis_and_fallback_to_plain():
@@ -292,7 +298,7 @@ def test_adaptive_k_measures_plain_decoding_once_per_batch_size():
     assert tokens[4] / ak.cost(8, 4) > 1.2 / ak.cost(8, 0)   # speculation looks 20% better ...
     assert ak.choose(G(8, 4, 0.5), 5) == 0              # ... yet plain decoding is measured once
     ak.observe(8, 0, 0.6, 0.0, [0] * 8)                 # 0.6 s: well below rest
-    assert ak.plain[8] == pytest.approx(0.6 / 1.6)
+    assert ak.costs.level[8] == pytest.approx(0.6) and ak.costs.relative(8, 4) == pytest.approx(1.6 / 0.6)
     # 1 token per 0.6 s beats k = 4's 2 per 2.0 s; priced by width (a 5-wide verification
     # cost 1.6 s, a 1-wide one 0.6 s), k = 1's 1.9 tokens per 0.95 s beat both
     assert ak.cost(8, 1) == pytest.approx(0.6 * (1 + (1.6 / 0.6 - 1) / 4) + 0.1)
@@ -342,32 +348,35 @@ def test_adaptive_k_forgets_depths_it_no_longer_verifies():
     assert ak.choose(G(1, 1, ak.acceptance), 5) == 5
 
 
-def _drive(ak, rest, draft, speed, steps, k, accepted=lambda k: k):
-    """`steps` steps of one row chosen by `ak`, each timed at (rest + k x draft) x speed; the
-    k's it ran."""
-    ran, current = [], k
+def _drive(ak, rest, draft, speed, steps, row, accepted=lambda k: k):
+    """`steps` steps of one row (a G) chosen by `ak`, each timed at (rest + k x draft) x speed;
+    the k's it ran besides neighbour probes, and the probes' k's."""
+    ran, probes = [], []
     for _ in range(steps):
-        current = ak.choose(G(1, current, ak.acceptance), 5)
-        ak.observe(1, current, (rest + current * draft) * speed, current * draft * speed,
-                   [accepted(current)])
-        ran.append(current)
-    return ran
+        row._a = ak.acceptance
+        k = row.k = ak.choose(row, 5)
+        ak.observe(1, k, (rest + k * draft) * speed, k * draft * speed, [accepted(k)])
+        (probes if row.k_before_probe is not None else ran).append(k)
+    return ran, probes
 
 
 def test_adaptive_k_compares_costs_at_one_machine_speed():
     """The machine slows by a quarter (every op alike: a busy neighbour, a lower clock) and
     swings step by step: k stays at its best, since the costs that tell k's apart are measured
-    at the same moments. When drafting alone gets costlier, k moves down."""
-    ak = AdaptiveK(max_k=5)
+    at the same moments. When drafting alone gets costlier, k moves down. Every
+    WIDTH_PROBE_EVERY-th step a neighbour k is measured, and k goes back."""
+    ak, row = AdaptiveK(max_k=5), G(1, 5, 0.7)
     # one plain step measures plain decoding after the first speculative step
-    assert _drive(ak, 1.0, 1 / 3, 1.0, 20, 5) == [5, 0] + [5] * 18
-    assert _drive(ak, 1.0, 1 / 3, 1.25, 50, 5) == [5] * 50
+    ran, probes = _drive(ak, 1.0, 1 / 3, 1.0, 20, row)
+    assert ran == [5, 0] + [5] * (18 - len(probes)) and probes == [4]
+    ran, probes = _drive(ak, 1.0, 1 / 3, 1.25, 50, row)
+    assert ran == [5] * (50 - len(probes)) and probes == [4] * 3
     swings = iter([0.8, 1.2, 1.0, 1.25, 0.9] * 20)
-    ran = [_drive(ak, 1.0, 1 / 3, next(swings), 1, 5)[0] for _ in range(100)]
-    assert ran == [5] * 100
+    runs = [_drive(ak, 1.0, 1 / 3, next(swings), 1, row) for _ in range(100)]
+    assert [k for ran, _ in runs for k in ran] == [5] * (100 - 6)
     # the draft alone gets six times as costly (each draft token now costs twice a plain
     # step), and rows accept only 2 of 5 drafts: fewer drafts pay
-    ran = _drive(ak, 1.0, 2.0, 1.25, 60, 5, accepted=lambda k: min(k, 2))
+    ran, _ = _drive(ak, 1.0, 2.0, 1.25, 60, row, accepted=lambda k: min(k, 2))
     assert max(ran[-10:]) < 5, ran
 
 
@@ -501,17 +510,79 @@ def test_draft_stop_counts_only_drafts_the_target_verified():
 
 def test_adaptive_k_prices_the_verifications_width():
     """A compute-bound verifier (a plain step P, each more verified column 0.14 P, as the real
-    pair on this CPU) and a nearly free draft, rows keeping exactly one draft: k = 1 commits as
-    much as k = 5 for 0.63 P instead of 0.93 P. Priced by width, k comes down to 1; taken as
-    width-free, k = 5 looked only 0.4% dearer and stayed."""
+    pair on this CPU at B = 1) and a nearly free draft, rows keeping exactly one draft: k = 1
+    commits as much as k = 5 for 0.63 P instead of 0.93 P. Priced by width, k comes down to 1;
+    taken as width-free, k = 5 looked only 0.4% dearer and stayed. (Now and then k = 2 runs a
+    few steps: the second draft's stale counts fade and k = 2 is checked again.)"""
     P, gamma, draft = 0.55, 0.14, 0.001
+    ak, row = AdaptiveK(max_k=5), G(1, 5, 0.7)
+    ran = []
+    for _ in range(60):
+        k = row.k = ak.choose(row, 5)
+        ak.observe(1, k, P * (1 + gamma * k) + k * draft, k * draft, [min(k, 1)])
+        if row.k_before_probe is None:
+            ran.append(k)
+    assert ak.costs.relative(1, 1) == pytest.approx(1 + gamma, rel=0.02)
+    assert ak.costs.relative(1, 5) == pytest.approx(1 + 5 * gamma, rel=0.02)
+    assert ak.cost(1, 1) == pytest.approx(P * (1 + gamma) + draft, rel=0.02)
+    assert max(ran[-30:]) == 2 and ran[-30:].count(1) > ran[-30:].count(2), ran
+
+
+def test_adaptive_k_measures_each_width_by_probing_its_neighbours():
+    """A verifier whose cost is not linear in its width (the real pair at B = 8 on this CPU: a
+    k = 1 step 1.57 plain steps, a k = 2 step 1.63, more for k = 3 on), rows keeping 0-5 drafts:
+    k = 2 commits the most per second (1.42 tokens a row per plain step's time, k = 1 1.10).
+    Starting at k = 1, a share per column taken from k = 1's step prices k = 2 at 2.14 plain steps
+    and k stays at 1; probing the neighbours measures k = 2 and k moves there. Probes are
+    every WIDTH_PROBE_EVERY-th step and the group returns to its k after each."""
+    shape = {0: 1.0, 1: 1.57, 2: 1.63, 3: 2.4, 4: 2.5, 5: 3.2}
+    keeps = [0, 0, 1, 2, 2, 3, 5, 5]
+
+    def run(ak, steps=120):
+        row, ran, probes = G(8, 1, 0.7), [], []
+        for _ in range(steps):
+            row._a = ak.acceptance
+            k = row.k = ak.choose(row, 5)
+            ak.observe(8, k, shape[k] + 0.02 * k, 0.02 * k, [min(k, a) for a in keeps])
+            (probes if row.k_before_probe is not None else ran).append(k)
+        return ran, probes
+
     ak = AdaptiveK(max_k=5)
-    ran, current = [], 5
-    for _ in range(40):
-        current = ak.choose(G(1, current, ak.acceptance), 5)
-        seconds = P * (1 + gamma * current) + current * draft
-        ak.observe(1, current, seconds, current * draft, [min(current, 1)])
-        ran.append(current)
-    assert ak.width_cost(1) == pytest.approx(gamma, rel=0.05)
-    assert ak.cost(1, 1) == pytest.approx(P * (1 + gamma) + draft, rel=0.05)
-    assert ran[-10:] == [1] * 10, ran
+    ran, probes = run(ak)
+    assert ran[:2] == [1, 0] and ran[-40:] == [2] * 40, ran
+    assert ak.costs.relative(8, 2) == pytest.approx(1.63)
+    assert 1 in probes and 3 in probes and len(probes) <= 120 // AdaptiveK.WIDTH_PROBE_EVERY
+    unprobed = AdaptiveK(max_k=5)
+    unprobed.WIDTH_PROBE_EVERY = 10 ** 9
+    ran, probes = run(unprobed)
+    assert not probes and ran[-40:] == [1] * 40, ran
+    assert unprobed.costs.relative(8, 2) == pytest.approx(2.14)
+
+
+def test_step_cost_measures_widths_as_ratios_at_the_moments_speed():
+    """StepCost: a width's price is its step time over the level the steps around it set. The
+    host slowing by a quarter while one width runs moves the level, not that width's price (so
+    the other widths' prices stay comparable); a plain step keeps plain steps the unit; widths
+    never measured are interpolated, and extrapolated never cheaper for being wider."""
+    from exspec.engine.step_cost import StepCost
+    cost = StepCost()
+    assert cost.seconds(8, 2) is None
+    cost.observe(8, 2, 1.7, 0.1)                  # the bucket's first step: 1.6 s besides drafts
+    assert not cost.priced(8) and cost.seconds(8, 0) == pytest.approx(1.6)   # plain taken as it
+    cost.observe(8, 0, 1.0, 0.0)
+    assert cost.priced(8) and cost.relative(8, 0) == 1.0 and cost.relative(8, 2) == pytest.approx(1.6)
+    cost.observe(8, 1, 1.2, 0.05)
+    assert cost.relative(8, 1) == pytest.approx(1.15)
+    cost.observe(8, 2, 1.7, 0.1)                  # back at k = 2: measured again, the same
+    assert cost.relative(8, 2) == pytest.approx(1.6)
+    for _ in range(60):                           # the host slows by a quarter, still at k = 2
+        cost.observe(8, 2, 1.25 * 1.7, 1.25 * 0.1)
+    assert cost.relative(8, 2) == pytest.approx(1.6) and cost.relative(8, 1) == pytest.approx(1.15)
+    assert cost.seconds(8, 0) == pytest.approx(1.25, rel=0.01)   # the level followed
+    assert cost.seconds(8, 2) == pytest.approx(1.25 * 1.7, rel=0.01)
+    cost.observe(8, 1, 1.25 * 1.2, 1.25 * 0.05)   # another width, at the new speed: the same price
+    assert cost.relative(8, 1) == pytest.approx(1.15, rel=0.01)
+    cost.observe(8, 4, 1.25 * 2.4, 0.0)           # 2.4 plain steps at k = 4
+    assert cost.relative(8, 3) == pytest.approx((1.6 + 2.4) / 2, rel=0.01)   # between 2 and 4
+    assert cost.relative(8, 5) == pytest.approx(2.4 + 0.4, rel=0.01)         # on from 2 .. 4
+    assert cost.seconds(16, 4) == cost.seconds(8, 4) and cost.seconds(2, 4) == cost.seconds(8, 4)
