@@ -252,9 +252,9 @@ def costs(ak, bucket, rest, draft, plain=None):
     c = ak.costs
     if plain is None and 0 in c.ratio.get(bucket, {}):
         plain = c.ratio[bucket][0] * c.level[bucket] / rest
-    c.level[bucket], c.draft[bucket], c.last_k[bucket] = rest, draft, 1
+    c.level[bucket], c.draft[bucket], c.last_k[bucket], c.yardstick[bucket] = rest, draft, 1, 1
     c.ratio[bucket] = {1: 1.0, ak.max_k: 1.0} if plain is None else {0: plain, 1: 1.0, ak.max_k: 1.0}
-    c.measured[bucket] = {k: 1 for k in c.ratio[bucket]}
+    c.samples[bucket] = {k: [r] for k, r in c.ratio[bucket].items()}
 
 
 def test_adaptive_k_hysteresis_and_fallback_to_plain():
@@ -288,15 +288,20 @@ def test_adaptive_k_hysteresis_and_fallback_to_plain():
 def test_adaptive_k_measures_plain_decoding_once_per_batch_size():
     """Plain decoding's cost cannot be told from speculative steps (a one-token step costs a
     fraction of a k + 1 wide one on a compute-bound CPU, about as much on a memory-bound GPU),
-    so one plain step measures it right after a bucket's first speculative step, however well
-    speculation seems to pay; from then on the measurement decides."""
+    so a plain step measures it right after a bucket's first speculative steps, however well
+    speculation seems to pay; from then on the measurement decides. A width's first step at
+    a batch size runs cold (new shapes) and is not counted."""
     ak = AdaptiveK(max_k=5)
     assert ak.choose(G(8, 4, 0.5), 5) == 4              # nothing measured: the first step tells
+    ak.observe(8, 4, 3.0, 0.4, [1] * 8)                 # cold: not counted
+    assert ak.cost(8, 4) is None and ak.choose(G(8, 4, 0.5), 5) == 4
     ak.observe(8, 4, 2.0, 0.4, [1] * 8)                 # rest 1.6 s, a draft 0.1 s; 2 tokens a row
     assert ak.cost(8, 0) == pytest.approx(1.6)          # plain, unmeasured: taken as rest
     tokens = ak.tokens_by_k(0.5)
     assert tokens[4] / ak.cost(8, 4) > 1.2 / ak.cost(8, 0)   # speculation looks 20% better ...
-    assert ak.choose(G(8, 4, 0.5), 5) == 0              # ... yet plain decoding is measured once
+    assert ak.choose(G(8, 4, 0.5), 5) == 0              # ... yet plain decoding is measured
+    ak.observe(8, 0, 0.9, 0.0, [0] * 8)                 # cold
+    assert ak.choose(G(8, 4, 0.5), 5) == 0
     ak.observe(8, 0, 0.6, 0.0, [0] * 8)                 # 0.6 s: well below rest
     assert ak.costs.level[8] == pytest.approx(0.6) and ak.costs.relative(8, 4) == pytest.approx(1.6 / 0.6)
     # 1 token per 0.6 s beats k = 4's 2 per 2.0 s; priced by width (a 5-wide verification
@@ -305,9 +310,11 @@ def test_adaptive_k_measures_plain_decoding_once_per_batch_size():
     assert ak.choose(G(8, 0, 0.5), 5) == 1
     # another bucket measures its own (a group shrinks as rows finish); where speculation
     # pays (every draft accepted), the measurement sends it straight back
-    ak.observe(1, 4, 1.0, 0.2, [4])
+    for _ in range(2):
+        ak.observe(1, 4, 1.0, 0.2, [4])
     assert ak.choose(G(1, 4, 0.95), 5) == 0
-    ak.observe(1, 0, 0.6, 0.0, [0])
+    for _ in range(2):
+        ak.observe(1, 0, 0.6, 0.0, [0])
     assert ak.choose(G(1, 0, 0.95), 5) > 0
 
 
@@ -366,14 +373,17 @@ def test_adaptive_k_compares_costs_at_one_machine_speed():
     at the same moments. When drafting alone gets costlier, k moves down. Every
     WIDTH_PROBE_EVERY-th step a neighbour k is measured, and k goes back."""
     ak, row = AdaptiveK(max_k=5), G(1, 5, 0.7)
-    # one plain step measures plain decoding after the first speculative step
+    # plain steps measure plain decoding after the first speculative ones (a width's first
+    # step at a batch size runs cold and is not counted)
     ran, probes = _drive(ak, 1.0, 1 / 3, 1.0, 20, row)
-    assert ran == [5, 0] + [5] * (18 - len(probes)) and probes == [4]
+    assert ran == [5, 5, 0, 0] + [5] * (16 - len(probes)) and probes == [4]
     ran, probes = _drive(ak, 1.0, 1 / 3, 1.25, 50, row)
-    assert ran == [5] * (50 - len(probes)) and probes == [4] * 3
+    # the first probe ran cold (k = 4's first step): k = 4 again, measured; k stays, and the
+    # probes grow rarer
+    assert ran == [5] * (50 - len(probes)) and probes == [4, 4]
     swings = iter([0.8, 1.2, 1.0, 1.25, 0.9] * 20)
     runs = [_drive(ak, 1.0, 1 / 3, next(swings), 1, row) for _ in range(100)]
-    assert [k for ran, _ in runs for k in ran] == [5] * (100 - 6)
+    assert {k for ran, _ in runs for k in ran} == {5} and {k for _, p in runs for k in p} == {4}
     # the draft alone gets six times as costly (each draft token now costs twice a plain
     # step), and rows accept only 2 of 5 drafts: fewer drafts pay
     ran, _ = _drive(ak, 1.0, 2.0, 1.25, 60, row, accepted=lambda k: min(k, 2))
@@ -529,13 +539,14 @@ def test_adaptive_k_prices_the_verifications_width():
 
 
 def test_adaptive_k_measures_each_width_by_probing_its_neighbours():
-    """A verifier whose cost is not linear in its width (the real pair at B = 8 on this CPU: a
-    k = 1 step 1.57 plain steps, a k = 2 step 1.63, more for k = 3 on), rows keeping 0-5 drafts:
-    k = 2 commits the most per second (1.42 tokens a row per plain step's time, k = 1 1.10).
-    Starting at k = 1, a share per column taken from k = 1's step prices k = 2 at 2.14 plain steps
-    and k stays at 1; probing the neighbours measures k = 2 and k moves there. Probes are
-    every WIDTH_PROBE_EVERY-th step and the group returns to its k after each."""
-    shape = {0: 1.0, 1: 1.57, 2: 1.63, 3: 2.4, 4: 2.5, 5: 3.2}
+    """A verifier whose cost is not one share per column (the real pair at B = 8 on this CPU: a
+    k = 1 step 1.57 plain steps, a k = 2 step 1.63: a speculative step's own cost, then 0.06 a
+    column), rows keeping 0-5 drafts: k = 5 commits the most per second (1.70 tokens a row per
+    plain step's time, k = 1 1.10). Starting at k = 1, a share per column taken from k = 1's
+    step prices k = 2 at 2.14 plain steps and k stays at 1; probing the neighbours measures
+    k = 2, the fit finds the step's own cost and the column's, and k moves to 5. Probes are
+    every WIDTH_PROBE_EVERY-th step (rarer while k stays) and the group returns to its k."""
+    shape = {0: 1.0, 1: 1.57, 2: 1.63, 3: 1.69, 4: 1.75, 5: 1.81}
     keeps = [0, 0, 1, 2, 2, 3, 5, 5]
 
     def run(ak, steps=120):
@@ -549,9 +560,10 @@ def test_adaptive_k_measures_each_width_by_probing_its_neighbours():
 
     ak = AdaptiveK(max_k=5)
     ran, probes = run(ak)
-    assert ran[:2] == [1, 0] and ran[-40:] == [2] * 40, ran
-    assert ak.costs.relative(8, 2) == pytest.approx(1.63)
-    assert 1 in probes and 3 in probes and len(probes) <= 120 // AdaptiveK.WIDTH_PROBE_EVERY
+    assert ran[:4] == [1, 1, 0, 0] and ran[-40:] == [5] * 40, ran
+    assert ak.costs.fit(8) == pytest.approx((0.51, 0.06))
+    assert ak.costs.relative(8, 3) == pytest.approx(1.69)
+    assert 2 in probes and 4 in probes and len(probes) <= 120 // AdaptiveK.WIDTH_PROBE_EVERY
     unprobed = AdaptiveK(max_k=5)
     unprobed.WIDTH_PROBE_EVERY = 10 ** 9
     ran, probes = run(unprobed)
@@ -560,29 +572,42 @@ def test_adaptive_k_measures_each_width_by_probing_its_neighbours():
 
 
 def test_step_cost_measures_widths_as_ratios_at_the_moments_speed():
-    """StepCost: a width's price is its step time over the level the steps around it set. The
-    host slowing by a quarter while one width runs moves the level, not that width's price (so
-    the other widths' prices stay comparable); a plain step keeps plain steps the unit; widths
-    never measured are interpolated, and extrapolated never cheaper for being wider."""
+    """StepCost: a width's price is its step time over the level the yardstick's steps set. The
+    host slowing by a quarter while one width runs moves the level, not the prices; a plain
+    step keeps plain steps the unit; a width's first step at a bucket runs cold and is not
+    counted; prices come from a fit, a speculative step's own cost plus one per column."""
     from exspec.engine.step_cost import StepCost
     cost = StepCost()
+    cost.observe(8, 2, 3.0, 0.1)                  # a width's first step at a bucket runs cold
     assert cost.seconds(8, 2) is None
-    cost.observe(8, 2, 1.7, 0.1)                  # the bucket's first step: 1.6 s besides drafts
+    cost.observe(8, 2, 1.7, 0.1)                  # the bucket's first warm step: 1.6 s besides drafts
     assert not cost.priced(8) and cost.seconds(8, 0) == pytest.approx(1.6)   # plain taken as it
-    cost.observe(8, 0, 1.0, 0.0)
+    for seconds in (2.0, 1.0):                    # cold, then warm
+        cost.observe(8, 0, seconds, 0.0)
     assert cost.priced(8) and cost.relative(8, 0) == 1.0 and cost.relative(8, 2) == pytest.approx(1.6)
-    cost.observe(8, 1, 1.2, 0.05)
-    assert cost.relative(8, 1) == pytest.approx(1.15)
-    cost.observe(8, 2, 1.7, 0.1)                  # back at k = 2: measured again, the same
-    assert cost.relative(8, 2) == pytest.approx(1.6)
-    for _ in range(60):                           # the host slows by a quarter, still at k = 2
+    assert cost.relative(8, 1) == pytest.approx(1.3)   # one width measured: a share per column
+    for seconds in (2.0, 1.4):
+        cost.observe(8, 1, seconds, 0.05)
+    assert cost.fit(8) == pytest.approx((0.1, 0.25)) and cost.relative(8, 1) == pytest.approx(1.35)
+    for _ in range(60):                           # the host slows by a quarter, back at k = 2
         cost.observe(8, 2, 1.25 * 1.7, 1.25 * 0.1)
-    assert cost.relative(8, 2) == pytest.approx(1.6) and cost.relative(8, 1) == pytest.approx(1.15)
+    assert cost.yardstick[8] == 2 and cost.fit(8) == pytest.approx((0.1, 0.25))
     assert cost.seconds(8, 0) == pytest.approx(1.25, rel=0.01)   # the level followed
     assert cost.seconds(8, 2) == pytest.approx(1.25 * 1.7, rel=0.01)
-    cost.observe(8, 1, 1.25 * 1.2, 1.25 * 0.05)   # another width, at the new speed: the same price
-    assert cost.relative(8, 1) == pytest.approx(1.15, rel=0.01)
-    cost.observe(8, 4, 1.25 * 2.4, 0.0)           # 2.4 plain steps at k = 4
-    assert cost.relative(8, 3) == pytest.approx((1.6 + 2.4) / 2, rel=0.01)   # between 2 and 4
-    assert cost.relative(8, 5) == pytest.approx(2.4 + 0.4, rel=0.01)         # on from 2 .. 4
+    cost.observe(8, 1, 1.25 * 1.4, 1.25 * 0.05)   # another width, at the new speed: the same price
+    assert cost.relative(8, 1) == pytest.approx(1.35, rel=0.01)
+    cost.observe(8, 4, 9.0, 0.0)                  # cold
+    cost.observe(8, 4, 1.25 * 2.1, 0.0)           # 2.1 plain steps at k = 4
+    assert cost.relative(8, 3) == pytest.approx(1.85, rel=0.01)
+    assert cost.relative(8, 5) == pytest.approx(2.35, rel=0.01)
     assert cost.seconds(16, 4) == cost.seconds(8, 4) and cost.seconds(2, 4) == cost.seconds(8, 4)
+    # two steps in a row at k = 1: k moved, and k = 1 is the yardstick the others are measured
+    # against; its steps move the level, not its price, however the host's speed swings
+    for speed in (1.25, 1.25, 1.5, 1.0):
+        cost.observe(8, 1, speed * 1.4, speed * 0.05)
+    assert cost.yardstick[8] == 1 and cost.relative(8, 1) == pytest.approx(1.35, rel=0.01)
+    # a width measured cheaper than a narrower one: never priced below it (no negative column)
+    other = StepCost()
+    for k, seconds in ((3, 2.0), (3, 2.0), (0, 1.0), (0, 1.0), (1, 2.2), (1, 2.2)):
+        other.observe(4, k, seconds, 0.0)
+    assert other.fit(4) == pytest.approx((1.1, 0.0)) and other.relative(4, 5) == pytest.approx(2.1)

@@ -27,19 +27,22 @@ class AdaptiveK:
     A step's cost at k comes from `StepCost` (step_cost.py): per batch-size bucket, a plain
     step's seconds now, what each verified width costs in plain steps (measured as ratios to
     the moment's speed, since this host's speed swings more than neighbouring k's differ), and
-    one draft forward. A width the group does not run is measured by a neighbour probe: every
+    one draft forward (its prices: a fit, a speculative step's own cost plus one per verified
+    column). A width the group does not run is measured by a neighbour probe: every
     WIDTH_PROBE_EVERY speculative steps at a bucket one step runs at k + 1 or k - 1 (in turn),
-    and the group goes back to the k it left, hysteresis kept. Without probes only the widths
+    and the group goes back to the k it left, hysteresis kept; each probe that leaves k where
+    it was doubles the spacing (up to 8 times), one that moves k resets it: a probe runs a step
+    at a k thought worse, and once k has settled few probes move it. Without probes only the widths
     k once passed through are measured, and the others are extrapolated from them: one share
     per column, taken from the first, overpriced k = 2 for the EAGLE-3 head on the real pair at
-    B = 8 (k = 1 step 1.57 plain steps, k = 2 step 1.63) and kept it at k = 1, 0.96 of fixed
-    k = 2.
-    Plain decoding is measured once per batch-size bucket, by one plain step right after the
-    bucket's first speculative step: its cost cannot be told from speculative steps (on a
-    compute-bound verifier a one-token step costs a fraction of a k + 1 wide one, on a
-    memory-bound one about as much), and taking it as costly as a speculative step besides its
-    drafts kept a marginal draft
-    speculating at B = 8 on a CPU at 0.91x autoregressive (an optimism bonus of 1.3 on that
+    B = 8 (k = 1 step 1.57 plain steps, k = 2 step 1.63: a step's own cost 0.51, a column 0.06)
+    and kept it at k = 1, 0.96 of fixed k = 2.
+    Plain decoding is measured once per batch-size bucket, by plain steps right after the
+    bucket's first speculative steps (the first of each width runs cold: StepCost): its cost
+    cannot be told from speculative steps (on a compute-bound verifier a one-token step costs a
+    fraction of a k + 1 wide one, on a memory-bound one about as much), and taking it as costly
+    as a speculative step besides its drafts kept a marginal draft speculating at B = 8 on a
+    CPU at 0.91x autoregressive (an optimism bonus of 1.3 on that
     guess still lost to 1.66 tokens per step). Speculation is probed again after
     PROBE_EVERY plain steps, at the k most likely to pay, and twice as rarely each time a probe
     leads back to plain decoding.
@@ -62,7 +65,7 @@ class AdaptiveK:
     # wider margin (10% before) left k one below its best for good.
     GAIN_TO_SWITCH = 1.03
     PROBE_EVERY = 8         # plain steps before speculation is tried again (doubles up to 256)
-    WIDTH_PROBE_EVERY = 16  # speculative steps at a bucket per neighbour probe (<1% of the rate)
+    WIDTH_PROBE_EVERY = 16  # speculative steps at a bucket per neighbour probe (doubles up to 128)
     DECAY = 0.9             # of the pool-wide acceptance counts, per speculative step
     HAZARD_DECAY = 0.98     # of the per-draft counts, per row-step (a memory of ~50 row-steps)
     STALE_DECAY = 0.95      # of the counts of drafts beyond the step's k, per row-step
@@ -74,6 +77,7 @@ class AdaptiveK:
         # per bucket: speculative steps since its last neighbour probe, and the next probe's side
         self.since_probe: dict[int, int] = {}
         self.probe_up: dict[int, bool] = {}
+        self.probe_every_width: dict[int, int] = {}   # per bucket: the probes' current spacing
         self.recent_accepted, self.recent_rejections = 7.0, 3.0   # prior: acceptance 0.7
         self.probe_every = self.PROBE_EVERY
         # decayed counts per draft depth j (index j - 1): rows whose draft j was verified, and
@@ -103,7 +107,7 @@ class AdaptiveK:
         if k == 0 or not self.costs.priced(b):
             return k
         self.since_probe[b] = self.since_probe.get(b, 0) + 1
-        if self.since_probe[b] < self.WIDTH_PROBE_EVERY:
+        if self.since_probe[b] < self.probe_every_width.get(b, self.WIDTH_PROBE_EVERY):
             return k
         self.since_probe[b] = 0
         up = self.probe_up[b] = not self.probe_up.get(b, False)
@@ -173,7 +177,7 @@ class AdaptiveK:
     def choose(self, group: Group, cap: int, per_step: bool = False) -> int:
         """The group's k. `per_step`: proposals are known before each step (a lookup
         proposer), so `width` prices them step by step and k is only each row's cap: the cap,
-        but for the one plain step that measures plain decoding at a bucket."""
+        but for the plain steps that measure plain decoding at a bucket."""
         batch = len(group)
         here = self.costs.bucket(batch)
         unpriced = self.costs.has(here) and not self.costs.priced(here)
@@ -199,6 +203,12 @@ class AdaptiveK:
         choice = best if rates[best] > rates[current] * self.GAIN_TO_SWITCH else current
         if choice > 0 and current > 0:
             self.probe_every = self.PROBE_EVERY   # speculation pays again: probe eagerly
+        if left is not None and group.k not in self.costs.ratio.get(here, {}):
+            self.probe_up[here] = not self.probe_up.get(here, False)   # it ran cold: that side again
+        elif left is not None:   # a probe that left k where it was: probe half as often, up to 128
+            spacing = self.probe_every_width.get(here, self.WIDTH_PROBE_EVERY)
+            self.probe_every_width[here] = (min(2 * spacing, 8 * self.WIDTH_PROBE_EVERY)
+                                            if choice == left else self.WIDTH_PROBE_EVERY)
         probe = self.neighbour_probe(batch, choice, 0, cap)
         if probe != choice:
             group.k_before_probe = choice

@@ -2,6 +2,8 @@
 runs (adaptive k prices k with it; design: "EXSPEC scheduling")."""
 from __future__ import annotations
 
+import statistics
+
 
 class StepCost:
     """Seconds of a step at k drafts: `level x relative(k) + k x draft`, per batch-size bucket.
@@ -15,28 +17,43 @@ class StepCost:
 
     This host's speed swings by +-20% within seconds and one step's time differs from the next by
     7% (median), more than neighbouring widths differ near the best, so widths are not each timed
-    at their own moments (an earlier table of step times per k settled one k below its best): a
-    step at another width than the bucket's step before measures that width as a ratio to the
-    level the steps around it set, and every step moves the level. A run of steps at one width
-    moves only the level, so a host slowing down does not leak into that width's ratio. A
-    width's ratio is the mean of its first RATIO_MEMORY measurements, then a moving average.
+    at their own moments (an earlier table of step times per k settled one k below its best).
+    The running width is the yardstick: its steps move the level, its ratio held; a step at
+    another width measures that width as a ratio to the level (a neighbour probe, the other
+    group's k), and two steps in a row at another width make it the yardstick (k moved). Every
+    width is so measured against one fixed reference: when each width's step re-measured it
+    against a level the others had moved, the ratios drifted together, 10% in one demo-pair
+    run. A width's ratio is the median of its last RATIO_MEMORY measurements, so one step the
+    host slowed does not price a width out until its next measurements (a mean left k = 5 at
+    1.97 plain steps where probes measured 1.45 and held the demo pair at k = 4 for a run).
 
-    A width never measured is interpolated between the measured ones around it, or extrapolated
-    from the two nearest (never cheaper for being wider); with one width measured, every width
-    costs what it costs. Plain decoding counts as priced once a plain step is measured (`priced`):
-    before that a plain step is taken as costly as the width measured. A bucket not measured yet
-    borrows the nearest measured bucket's costs.
+    A width's first step at a bucket runs cold (shapes new to the allocator and the kernels:
+    the demo pair's first k = 3 step at B = 8 took 29 ms where the next took 17) and is not
+    counted: counted, cold steps left k = 3 priced at 2.2 plain steps and k = 5 at 1.8 (1.56
+    warm), and adaptive k settled on k = 4 at 0.92 of fixed k = 5 (`make bench`, exspec B = 8).
+
+    The prices are a fit to the measured widths, `1 + jump + column x k` (least squares, each
+    width weighted by its measurements, neither below 0): a speculative step's own cost beyond a
+    plain one, then each verified column's. Single widths' medians are still noisy (+-5-10% on
+    the demo pair, where neighbouring widths differ by 0-5%), and priced one by one they held k
+    one or two below its best for whole runs (0.87 of fixed k = 5 at exspec B = 4); a share per
+    column alone (jump 0) cannot price the real pair at B = 8 (jump 0.51, column 0.06). With one
+    width measured the jump is 0. Before a plain step is measured (`priced`) every width costs
+    the measured widths' mean and a plain step as much. A bucket not measured yet borrows the
+    nearest measured bucket's costs.
     """
 
-    LEVEL_EMA = 0.1     # of the level and of a draft forward's seconds, per step (~10 steps' memory)
-    RATIO_MEMORY = 5    # measurements a width's ratio averages over
+    LEVEL_EMA = 0.1     # of the level and of a draft forward's seconds, per step (~10 steps)
+    RATIO_MEMORY = 5    # measurements a width's ratio is the median of
 
     def __init__(self):
         self.level: dict[int, float] = {}                # bucket -> seconds of a plain step now
         self.ratio: dict[int, dict[int, float]] = {}     # bucket -> {k: cost in plain steps}
-        self.measured: dict[int, dict[int, int]] = {}    # bucket -> {k: measurements}
+        self.samples: dict[int, dict[int, list[float]]] = {}   # bucket -> {k: recent ratios}
         self.draft: dict[int, float] = {}                # bucket -> seconds per draft forward
         self.last_k: dict[int, int] = {}                 # bucket -> its last step's k
+        self.yardstick: dict[int, int] = {}              # bucket -> the width that sets the level
+        self.seen: dict[int, set[int]] = {}              # bucket -> widths stepped there
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -66,21 +83,37 @@ class StepCost:
         return self.level[b] * self.relative(b, k) + k * self.draft.get(b, 0.0)
 
     def relative(self, bucket: int, k: int) -> float:
-        """A step at k besides its drafts, in plain steps at this bucket (class doc)."""
-        ratio = self.ratio[bucket]
-        if k in ratio:
-            return ratio[k]
-        widths = sorted(ratio)
-        if len(widths) == 1:
-            return ratio[widths[0]]
-        below, above = [w for w in widths if w < k], [w for w in widths if w > k]
-        if below and above:
-            a, c = below[-1], above[0]
-            return ratio[a] + (ratio[c] - ratio[a]) * (k - a) / (c - a)
-        a, c = widths[-2:] if below else widths[:2]
-        edge = c if below else a
-        slope = max(0.0, (ratio[c] - ratio[a]) / (c - a))
-        return max(ratio[edge] + slope * (k - edge), 0.0)
+        """A step at k besides its drafts, in plain steps at this bucket: `1 + jump + column x k`
+        fitted to the measured widths (class doc); before plain decoding is measured, the
+        measured widths' mean."""
+        ratio, samples = self.ratio[bucket], self.samples[bucket]
+        if not self.priced(bucket):
+            return sum(ratio.values()) / len(ratio)
+        if k == 0:
+            return 1.0
+        jump, column = self.fit(bucket)
+        return 1.0 + jump + column * k
+
+    def fit(self, bucket: int) -> tuple[float, float]:
+        """(jump, column): a speculative step's cost over a plain one besides its columns, and
+        each verified column's, both in plain steps and >= 0; least squares over the measured
+        widths' ratios, each weighted by its measurements. One width measured: no jump."""
+        points = [(w, r - 1.0, len(self.samples[bucket][w]))
+                  for w, r in self.ratio[bucket].items() if w > 0]
+        if not points:
+            return 0.0, 0.0
+        n = sum(c for _, _, c in points)
+        if len({w for w, _, _ in points}) > 1:
+            mw = sum(c * w for w, _, c in points) / n
+            my = sum(c * y for _, y, c in points) / n
+            column = (sum(c * (w - mw) * (y - my) for w, y, c in points)
+                      / sum(c * (w - mw) ** 2 for w, _, c in points))
+            if column < 0.0:   # wider never cheaper
+                return max(my, 0.0), 0.0
+            if my - column * mw >= 0.0:
+                return my - column * mw, column
+        # no jump: a share per column through plain
+        return 0.0, max(0.0, sum(c * w * y for w, y, c in points) / sum(c * w * w for w, _, c in points))
 
     def observe(self, batch: int, k: int, seconds: float, draft_seconds: float) -> None:
         """A step at k (0: plain) took `seconds`, `draft_seconds` of them drafting."""
@@ -88,19 +121,29 @@ class StepCost:
         rest = max(seconds - draft_seconds, 1e-9)
         if k > 0:
             _ema(self.draft, b, draft_seconds / k, self.LEVEL_EMA)
-        if b not in self.level:   # the bucket's first step: the unit its other widths are measured in
-            self.level[b], self.ratio[b], self.measured[b], self.last_k[b] = rest, {k: 1.0}, {k: 1}, k
+        seen = self.seen.setdefault(b, set())
+        if k not in seen:   # a width's first step here runs cold: it teaches nothing
+            seen.add(k)
             return
-        ratio, measured = self.ratio[b], self.measured[b]
-        if k not in ratio or k != self.last_k[b]:   # another width: a ratio to the moment's level
-            n = measured[k] = measured.get(k, 0) + 1
-            now = rest / self.level[b]
-            ratio[k] = now if k not in ratio else ratio[k] + (now - ratio[k]) / min(n, self.RATIO_MEMORY)
+        if b not in self.level:   # the bucket's first warm step: the unit and the yardstick
+            self.level[b], self.ratio[b], self.samples[b] = rest, {k: 1.0}, {k: [1.0]}
+            self.yardstick[b] = self.last_k[b] = k
+            return
+        ratio, samples = self.ratio[b], self.samples[b]
+        if k != self.yardstick[b] and k == self.last_k[b] and k in ratio:
+            self.yardstick[b] = k   # the running width moved here: it is the yardstick now
+        if k == self.yardstick[b]:   # the level follows the host's speed
+            self.level[b] += self.LEVEL_EMA * (rest / ratio[k] - self.level[b])
+        else:   # another width: a ratio to the yardstick's level
+            recent = samples.setdefault(k, [])
+            recent[:] = recent[-(self.RATIO_MEMORY - 1):] + [rest / self.level[b]]
+            ratio[k] = statistics.median(recent)
             if k == 0:   # keep plain steps the unit: rescale the ratios, the level with them
                 unit = ratio[0]
                 ratio.update({w: r / unit for w, r in ratio.items()})
+                for recent in samples.values():
+                    recent[:] = [r / unit for r in recent]
                 self.level[b] *= unit
-        self.level[b] += self.LEVEL_EMA * (rest / ratio[k] - self.level[b])
         self.last_k[b] = k
 
 
