@@ -151,7 +151,9 @@ def test_every_first_draft_is_the_offline_one_through_arrivals_plain_steps_and_r
     drafts = {f"r{i}": first_drafts(engine.target, head, p + outputs[f"r{i}"])
               for i, p in enumerate(prompts)}
     wrong = [(rid, n, got, drafts[rid][n - 1]) for rid, n, got in seen if drafts[rid][n - 1] != got]
-    assert len(seen) > 100 and not wrong, wrong[:5]
+    # > 60: adaptive k prices this pair's compiled steps by width and runs plain more of the
+    # time (76 checked drafts there, 100+ eager)
+    assert len(seen) > 60 and not wrong, wrong[:5]
 
 
 def test_a_compiled_region_of_several_layers_hands_on_the_true_layer_inputs(deep, monkeypatch):

@@ -21,6 +21,7 @@ from exspec.demo.tiny import build_tokenizer, llama
 from exspec.spec.ngram import NgramIndex, NgramProposer
 from exspec.engine.runner import ModelRunner
 from exspec.engine.adaptive_k import AdaptiveK
+from exspec.engine.step_cost import StepCost
 
 from enginekit import assert_equivalent, make_engine, make_prompts
 from test_pool import G
@@ -276,7 +277,8 @@ def priced_adaptive(keeping: int, gamma: float = 0.5) -> AdaptiveK:
     adaptive = AdaptiveK(5)
     for _ in range(20):
         adaptive.observe(8, 3, 1.0 + gamma * 3, 0.0, [3] * keeping + [0] * (8 - keeping), [3] * 8)
-    adaptive.observe(8, 0, 1.0, 0.0, [0] * 8)   # one plain step prices the width
+    for _ in range(1 + StepCost.PLAIN_SAMPLES):   # plain steps price the width (the first runs cold)
+        adaptive.observe(8, 0, 1.0, 0.0, [0] * 8)
     return adaptive
 
 
@@ -287,7 +289,7 @@ def test_proposals_known_before_the_step_are_verified_only_as_wide_as_pays():
     7 times in 8 do; before plain decoding is measured (width unpriced) proposals go whole."""
     assert AdaptiveK(5).width(8, [1, 0, 3]) == 3
     weak = priced_adaptive(keeping=2)
-    assert weak.width_cost(8) == pytest.approx(0.5)
+    assert weak.costs.relative(8, 1) == pytest.approx(1.5)   # a column: half a plain step
     assert weak.kept_hazards()[0] == pytest.approx(0.75, abs=0.02)
     assert weak.width(8, [1, 1, 0, 0, 0, 0, 0, 0]) == 0
     strong = priced_adaptive(keeping=7)
@@ -331,7 +333,8 @@ def test_proposals_are_priced_by_their_own_length():
     adaptive = AdaptiveK(5)
     for _ in range(20):
         adaptive.observe(8, 5, 1.0 + 0.05 * 5, 0.0, [5] + [0] * 7, [5] + [1] * 7)
-    adaptive.observe(8, 0, 1.0, 0.0, [0] * 8)
+    for _ in range(1 + StepCost.PLAIN_SAMPLES):
+        adaptive.observe(8, 0, 1.0, 0.0, [0] * 8)
     assert adaptive.kept_hazards()[0] > 0.8 and adaptive.kept_hazards(5)[0] < 0.25
     assert adaptive.width(8, [5] + [0] * 7) == 5
     assert adaptive.width(8, [1] + [0] * 7) == 0
@@ -385,13 +388,16 @@ def test_cut_proposals_reach_adaptive_k_at_their_proposed_length(pairs, cyclic, 
 
 def test_with_proposals_known_before_the_step_k_is_only_the_rows_cap():
     """Per step (a lookup proposer), adaptive k leaves the pricing to `width` and k is the cap:
-    one plain step first measures plain decoding at the bucket, then k stays at the cap even
+    plain steps first measure plain decoding at the bucket, then k stays at the cap even
     where rows keep little (the group-level choice would fall to plain: `width` cuts what does
     not pay, proposal by proposal)."""
     weak = AdaptiveK(5)
     for _ in range(20):
         weak.observe(8, 3, 2.5, 0.0, [0] * 8, [3] + [0] * 7)
     assert weak.choose(G(8, 3, weak.acceptance), 5, per_step=True) == 0, "plain unmeasured: measure it"
+    for _ in range(StepCost.PLAIN_SAMPLES):   # the first ran cold; the last prices the width
+        weak.observe(8, 0, 1.0, 0.0, [0] * 8)
+        assert weak.choose(G(8, 3, weak.acceptance), 5, per_step=True) == 0, "plain still measured"
     weak.observe(8, 0, 1.0, 0.0, [0] * 8)
     assert weak.choose(G(8, 3, weak.acceptance), 5) == 0
     assert weak.choose(G(8, 3, weak.acceptance), 5, per_step=True) == 5

@@ -15,6 +15,7 @@ from exspec.spec.draft_model import DraftModelProposer
 from exspec.spec.draft_stop import DraftStop
 from exspec.engine.runner import ModelRunner
 from exspec.engine.adaptive_k import AdaptiveK
+from exspec.engine.step_cost import StepCost
 from exspec.engine.scheduler import Scheduler
 
 from enginekit import make_engine, make_prompts, run_schedule
@@ -233,9 +234,11 @@ def test_intake_from_another_thread_while_stepping(pairs):
 
 
 class G:
-    """The slice of Group that AdaptiveK reads: size, last k, acceptance, plain steps in a row."""
+    """The slice of Group that AdaptiveK reads: size, last k (and the k a probe left),
+    acceptance, plain steps in a row."""
     def __init__(self, n, k, acceptance, plain=0):
         self.n, self.k, self._a, self.plain_steps_in_a_row = n, k, acceptance, plain
+        self.k_before_probe = None
 
     def __len__(self):
         return self.n
@@ -245,10 +248,16 @@ class G:
 
 
 def costs(ak, bucket, rest, draft, plain=None):
-    """Set a bucket's measured costs: a step at k >= 1 takes rest + k x draft."""
-    ak.rest[bucket], ak.draft[bucket] = rest, draft
-    if plain is not None:
-        ak.plain[bucket] = plain
+    """Set a bucket's measured costs: a step at k >= 1 takes rest + k x draft (every width
+    alike), a plain one `plain` x rest (when None: as before, or unmeasured)."""
+    c = ak.costs
+    if plain is None and 0 in c.ratio.get(bucket, {}):
+        plain = c.ratio[bucket][0] * c.level[bucket] / rest
+    unit = 1.0 if plain is None else plain   # plain steps are the unit once measured
+    c.level[bucket], c.draft[bucket], c.last_k[bucket], c.yardstick[bucket] = unit * rest, draft, 1, 1
+    c.ratio[bucket] = {1: 1 / unit, ak.max_k: 1 / unit} | ({} if plain is None else {0: 1.0})
+    c.samples[bucket] = {k: [r] * c.PLAIN_SAMPLES for k, r in c.ratio[bucket].items()}
+    c.prices.pop(bucket, None)   # set by hand: the kept prices are stale
 
 
 def test_adaptive_k_hysteresis_and_fallback_to_plain():
@@ -282,26 +291,34 @@ def test_adaptive_k_hysteresis_and_fallback_to_plain():
 def test_adaptive_k_measures_plain_decoding_once_per_batch_size():
     """Plain decoding's cost cannot be told from speculative steps (a one-token step costs a
     fraction of a k + 1 wide one on a compute-bound CPU, about as much on a memory-bound GPU),
-    so one plain step measures it right after a bucket's first speculative step, however well
-    speculation seems to pay; from then on the measurement decides."""
+    so plain steps measure it right after a bucket's first speculative steps, however well
+    speculation seems to pay; from then on the measurement decides. A width's first step at
+    a batch size runs cold (new shapes) and is not counted."""
     ak = AdaptiveK(max_k=5)
     assert ak.choose(G(8, 4, 0.5), 5) == 4              # nothing measured: the first step tells
+    ak.observe(8, 4, 3.0, 0.4, [1] * 8)                 # cold: not counted
+    assert ak.cost(8, 4) is None and ak.choose(G(8, 4, 0.5), 5) == 4
     ak.observe(8, 4, 2.0, 0.4, [1] * 8)                 # rest 1.6 s, a draft 0.1 s; 2 tokens a row
     assert ak.cost(8, 0) == pytest.approx(1.6)          # plain, unmeasured: taken as rest
     tokens = ak.tokens_by_k(0.5)
     assert tokens[4] / ak.cost(8, 4) > 1.2 / ak.cost(8, 0)   # speculation looks 20% better ...
-    assert ak.choose(G(8, 4, 0.5), 5) == 0              # ... yet plain decoding is measured once
-    ak.observe(8, 0, 0.6, 0.0, [0] * 8)                 # 0.6 s: well below rest
-    assert ak.plain[8] == pytest.approx(0.6 / 1.6)
+    assert ak.choose(G(8, 4, 0.5), 5) == 0              # ... yet plain decoding is measured
+    ak.observe(8, 0, 0.9, 0.0, [0] * 8)                 # cold
+    for seconds in (0.55, 0.6, 0.65)[:StepCost.PLAIN_SAMPLES]:   # well below rest
+        assert ak.choose(G(8, 4, 0.5), 5) == 0, "plain decoding measured a few times"
+        ak.observe(8, 0, seconds, 0.0, [0] * 8)
+    assert ak.costs.level[8] == pytest.approx(0.6) and ak.costs.relative(8, 4) == pytest.approx(1.6 / 0.6)
     # 1 token per 0.6 s beats k = 4's 2 per 2.0 s; priced by width (a 5-wide verification
     # cost 1.6 s, a 1-wide one 0.6 s), k = 1's 1.9 tokens per 0.95 s beat both
     assert ak.cost(8, 1) == pytest.approx(0.6 * (1 + (1.6 / 0.6 - 1) / 4) + 0.1)
     assert ak.choose(G(8, 0, 0.5), 5) == 1
     # another bucket measures its own (a group shrinks as rows finish); where speculation
     # pays (every draft accepted), the measurement sends it straight back
-    ak.observe(1, 4, 1.0, 0.2, [4])
+    for _ in range(2):
+        ak.observe(1, 4, 1.0, 0.2, [4])
     assert ak.choose(G(1, 4, 0.95), 5) == 0
-    ak.observe(1, 0, 0.6, 0.0, [0])
+    for _ in range(1 + StepCost.PLAIN_SAMPLES):
+        ak.observe(1, 0, 0.6, 0.0, [0])
     assert ak.choose(G(1, 0, 0.95), 5) > 0
 
 
@@ -342,32 +359,39 @@ def test_adaptive_k_forgets_depths_it_no_longer_verifies():
     assert ak.choose(G(1, 1, ak.acceptance), 5) == 5
 
 
-def _drive(ak, rest, draft, speed, steps, k, accepted=lambda k: k):
-    """`steps` steps of one row chosen by `ak`, each timed at (rest + k x draft) x speed; the
-    k's it ran."""
-    ran, current = [], k
+def _drive(ak, rest, draft, speed, steps, row, accepted=lambda k: k):
+    """`steps` steps of one row (a G) chosen by `ak`, each timed at (rest + k x draft) x speed;
+    the k's it ran besides neighbour probes, and the probes' k's."""
+    ran, probes = [], []
     for _ in range(steps):
-        current = ak.choose(G(1, current, ak.acceptance), 5)
-        ak.observe(1, current, (rest + current * draft) * speed, current * draft * speed,
-                   [accepted(current)])
-        ran.append(current)
-    return ran
+        row._a = ak.acceptance
+        k = row.k = ak.choose(row, 5)
+        ak.observe(1, k, (rest + k * draft) * speed, k * draft * speed, [accepted(k)])
+        (probes if row.k_before_probe is not None else ran).append(k)
+    return ran, probes
 
 
 def test_adaptive_k_compares_costs_at_one_machine_speed():
     """The machine slows by a quarter (every op alike: a busy neighbour, a lower clock) and
     swings step by step: k stays at its best, since the costs that tell k's apart are measured
-    at the same moments. When drafting alone gets costlier, k moves down."""
-    ak = AdaptiveK(max_k=5)
-    # one plain step measures plain decoding after the first speculative step
-    assert _drive(ak, 1.0, 1 / 3, 1.0, 20, 5) == [5, 0] + [5] * 18
-    assert _drive(ak, 1.0, 1 / 3, 1.25, 50, 5) == [5] * 50
+    at the same moments. When drafting alone gets costlier, k moves down. Every
+    WIDTH_PROBE_EVERY-th step a neighbour k is measured, and k goes back."""
+    ak, row = AdaptiveK(max_k=5), G(1, 5, 0.7)
+    # plain steps measure plain decoding after the first speculative ones (a width's first
+    # step at a batch size runs cold and is not counted)
+    plain = 1 + StepCost.PLAIN_SAMPLES
+    ran, probes = _drive(ak, 1.0, 1 / 3, 1.0, 18 + plain, row)
+    assert ran == [5, 5] + [0] * plain + [5] * (16 - len(probes)) and probes == [4], ran
+    ran, probes = _drive(ak, 1.0, 1 / 3, 1.25, 50, row)
+    # the first probe ran cold (k = 4's first step): k = 4 again, measured; k stays, and the
+    # probes grow rarer
+    assert ran == [5] * (50 - len(probes)) and probes == [4, 4]
     swings = iter([0.8, 1.2, 1.0, 1.25, 0.9] * 20)
-    ran = [_drive(ak, 1.0, 1 / 3, next(swings), 1, 5)[0] for _ in range(100)]
-    assert ran == [5] * 100
+    runs = [_drive(ak, 1.0, 1 / 3, next(swings), 1, row) for _ in range(100)]
+    assert {k for ran, _ in runs for k in ran} == {5} and {k for _, p in runs for k in p} == {4}
     # the draft alone gets six times as costly (each draft token now costs twice a plain
     # step), and rows accept only 2 of 5 drafts: fewer drafts pay
-    ran = _drive(ak, 1.0, 2.0, 1.25, 60, 5, accepted=lambda k: min(k, 2))
+    ran, _ = _drive(ak, 1.0, 2.0, 1.25, 60, row, accepted=lambda k: min(k, 2))
     assert max(ran[-10:]) < 5, ran
 
 
@@ -501,17 +525,142 @@ def test_draft_stop_counts_only_drafts_the_target_verified():
 
 def test_adaptive_k_prices_the_verifications_width():
     """A compute-bound verifier (a plain step P, each more verified column 0.14 P, as the real
-    pair on this CPU) and a nearly free draft, rows keeping exactly one draft: k = 1 commits as
-    much as k = 5 for 0.63 P instead of 0.93 P. Priced by width, k comes down to 1; taken as
-    width-free, k = 5 looked only 0.4% dearer and stayed."""
+    pair on this CPU at B = 1) and a nearly free draft, rows keeping exactly one draft: k = 1
+    commits as much as k = 5 for 0.63 P instead of 0.93 P. Priced by width, k comes down to 1;
+    taken as width-free, k = 5 looked only 0.4% dearer and stayed. (Now and then k = 2 runs a
+    few steps: the second draft's stale counts fade and k = 2 is checked again.)"""
     P, gamma, draft = 0.55, 0.14, 0.001
+    ak, row = AdaptiveK(max_k=5), G(1, 5, 0.7)
+    ran = []
+    for _ in range(60):
+        k = row.k = ak.choose(row, 5)
+        ak.observe(1, k, P * (1 + gamma * k) + k * draft, k * draft, [min(k, 1)])
+        if row.k_before_probe is None:
+            ran.append(k)
+    assert ak.costs.relative(1, 1) == pytest.approx(1 + gamma, rel=0.02)
+    assert ak.costs.relative(1, 5) == pytest.approx(1 + 5 * gamma, rel=0.02)
+    assert ak.cost(1, 1) == pytest.approx(P * (1 + gamma) + draft, rel=0.02)
+    assert max(ran[-30:]) == 2 and ran[-30:].count(1) > ran[-30:].count(2), ran
+
+
+def test_adaptive_k_measures_each_width_by_probing_its_neighbours():
+    """A verifier whose cost is not one share per column (the real pair at B = 8 on this CPU: a
+    k = 1 step 1.57 plain steps, a k = 2 step 1.63: a speculative step's own cost, then 0.06 a
+    column), rows keeping 0-5 drafts: k = 5 commits the most per second (1.70 tokens a row per
+    plain step's time, k = 1 1.10). Starting at k = 1, a share per column taken from k = 1's
+    step prices k = 2 at 2.14 plain steps and k stays at 1; probing the neighbours measures
+    k = 2, the fit finds the step's own cost and the column's, and k moves to 5. Probes are
+    every WIDTH_PROBE_EVERY-th step (rarer while k stays) and the group returns to its k."""
+    shape = {0: 1.0, 1: 1.57, 2: 1.63, 3: 1.69, 4: 1.75, 5: 1.81}
+    keeps = [0, 0, 1, 2, 2, 3, 5, 5]
+
+    def run(ak, steps=120):
+        row, ran, probes = G(8, 1, 0.7), [], []
+        for _ in range(steps):
+            row._a = ak.acceptance
+            k = row.k = ak.choose(row, 5)
+            ak.observe(8, k, shape[k] + 0.02 * k, 0.02 * k, [min(k, a) for a in keeps])
+            (probes if row.k_before_probe is not None else ran).append(k)
+        return ran, probes
+
     ak = AdaptiveK(max_k=5)
-    ran, current = [], 5
-    for _ in range(40):
-        current = ak.choose(G(1, current, ak.acceptance), 5)
-        seconds = P * (1 + gamma * current) + current * draft
-        ak.observe(1, current, seconds, current * draft, [min(current, 1)])
-        ran.append(current)
-    assert ak.width_cost(1) == pytest.approx(gamma, rel=0.05)
-    assert ak.cost(1, 1) == pytest.approx(P * (1 + gamma) + draft, rel=0.05)
-    assert ran[-10:] == [1] * 10, ran
+    ran, probes = run(ak)
+    assert ran[:4] == [1, 1, 0, 0] and ran[-40:] == [5] * 40, ran
+    assert ak.costs.fit(8) == pytest.approx((0.51, 0.06))
+    assert ak.costs.relative(8, 3) == pytest.approx(1.69)
+    assert 2 in probes and 4 in probes and len(probes) <= 120 // AdaptiveK.WIDTH_PROBE_EVERY
+    unprobed = AdaptiveK(max_k=5)
+    unprobed.WIDTH_PROBE_EVERY = 10 ** 9
+    ran, probes = run(unprobed)
+    assert not probes and ran[-40:] == [1] * 40, ran
+    assert unprobed.costs.relative(8, 2) == pytest.approx(2.14)
+
+
+def test_step_cost_measures_widths_as_ratios_at_the_moments_speed():
+    """StepCost: a width's price is its step time over the level the yardstick's steps set. The
+    host slowing by a quarter while one width runs moves the level, not the prices; plain
+    steps keep plain steps the unit; a width's first step at a bucket runs cold and is not
+    counted; widths on a line are priced by it, a speculative step's own cost plus one per
+    column."""
+    from exspec.engine.step_cost import StepCost
+    cost = StepCost()
+    cost.observe(8, 2, 3.0, 0.1)                  # a width's first step at a bucket runs cold
+    assert cost.seconds(8, 2) is None
+    cost.observe(8, 2, 1.7, 0.1)                  # the bucket's first warm step: 1.6 s besides drafts
+    assert not cost.priced(8) and cost.seconds(8, 0) == pytest.approx(1.6)   # plain taken as it
+    cost.observe(8, 0, 2.0, 0.0)                  # cold
+    for _ in range(StepCost.PLAIN_SAMPLES):
+        assert not cost.priced(8)
+        cost.observe(8, 0, 1.0, 0.0)
+    assert cost.priced(8) and cost.relative(8, 0) == 1.0 and cost.relative(8, 2) == pytest.approx(1.6)
+    assert cost.relative(8, 1) == pytest.approx(1.3)   # one width measured: a share per column
+    for seconds in (2.0, 1.4):
+        cost.observe(8, 1, seconds, 0.05)
+    assert cost.fit(8) == pytest.approx((0.1, 0.25)) and cost.relative(8, 1) == pytest.approx(1.35)
+    for _ in range(60):                           # the host slows by a quarter, back at k = 2
+        cost.observe(8, 2, 1.25 * 1.7, 1.25 * 0.1)
+    assert cost.yardstick[8] == 2 and cost.fit(8) == pytest.approx((0.1, 0.25))
+    assert cost.seconds(8, 0) == pytest.approx(1.25, rel=0.01)   # the level followed
+    assert cost.seconds(8, 2) == pytest.approx(1.25 * 1.7, rel=0.01)
+    cost.observe(8, 1, 1.25 * 1.4, 1.25 * 0.05)   # another width, at the new speed: the same price
+    assert cost.relative(8, 1) == pytest.approx(1.35, rel=0.01)
+    cost.observe(8, 4, 9.0, 0.0)                  # cold
+    cost.observe(8, 4, 1.25 * 2.1, 0.0)           # 2.1 plain steps at k = 4
+    assert cost.relative(8, 3) == pytest.approx(1.85, rel=0.01)
+    assert cost.relative(8, 5) == pytest.approx(2.35, rel=0.01)
+    assert cost.seconds(16, 4) == cost.seconds(8, 4) and cost.seconds(2, 4) == cost.seconds(8, 4)
+    # two steps in a row at k = 1: k moved, and k = 1 is the yardstick the others are measured
+    # against; its steps move the level, not its price, however the host's speed swings
+    for speed in (1.25, 1.25, 1.5, 1.0):
+        cost.observe(8, 1, speed * 1.4, speed * 0.05)
+    assert cost.yardstick[8] == 1 and cost.relative(8, 1) == pytest.approx(1.35, rel=0.01)
+    # a width measured cheaper than a narrower one: never priced below it (no negative column)
+    other = StepCost()
+    for k, seconds in ((3, 2.0), (3, 2.0), (0, 1.0), (0, 1.0), (1, 2.2), (1, 2.2)):
+        other.observe(4, k, seconds, 0.0)
+    assert other.fit(4) == pytest.approx((1.1, 0.0)) and other.relative(4, 5) == pytest.approx(2.1)
+
+
+def test_step_cost_keeps_a_widths_own_price_where_it_stands_out_from_the_line():
+    """A verifier whose cost is a staircase in width (the real pair at B = 1 on this CPU: k = 1
+    1.07 plain steps, k = 2 1.15, k = 3 1.65, k = 4 1.71), each width measured five times with
+    +-2% scatter: a line misprices k = 1 by 0.1 (above the 9% that k = 1 gains on plain
+    decoding there), the prices keep each width's own median (within its noise of it). Widths on a line measured twice,
+    5% off it one way: within their noise of the line, they are priced by it. A width not
+    measured is priced no dearer than the line between its measured neighbours."""
+    from exspec.engine.step_cost import StepCost
+    stairs, scatter = {1: 1.07, 2: 1.15, 3: 1.65, 4: 1.71}, [1.0, 1.02, 0.98, 1.01, 0.99, 1.0]
+    cost = StepCost()
+    for _ in range(2):   # plain steps first (cold, then warm): plain is the yardstick
+        cost.observe(1, 0, 1.0, 0.0)
+    for swing in scatter:   # each width between plain steps (the first of each runs cold)
+        for k, price in stairs.items():
+            cost.observe(1, k, price * swing, 0.0)
+            cost.observe(1, 0, 1.0, 0.0)
+    jump, column = cost.fit(1)
+    assert abs(1 + jump + column - stairs[1]) > 0.08, "the line misprices k = 1"
+    for k, price in stairs.items():   # the line is up to 0.19 off; a price, 0.025 at most
+        assert cost.relative(1, k) == pytest.approx(price, abs=0.025), k
+    assert cost.relative(1, 1) == pytest.approx(stairs[1], abs=0.01)   # the one that decides
+    # only k = 3 and 4 measured: the fit through them prices k = 1 at 1.58, which would never
+    # be run to be measured; a width not measured takes the line from plain decoding instead
+    upper = StepCost()
+    for _ in range(2):
+        upper.observe(1, 0, 1.0, 0.0)
+    for _ in range(3):
+        for k in (3, 4):
+            upper.observe(1, k, stairs[k], 0.0)
+            upper.observe(1, 0, 1.0, 0.0)
+    jump, column = upper.fit(1)
+    assert 1 + jump + column > 1.5
+    assert upper.relative(1, 1) == pytest.approx(1 + (stairs[3] - 1) / 3)
+    assert upper.relative(1, 2) == pytest.approx(1 + 2 * (stairs[3] - 1) / 3)
+    line = StepCost()
+    for _ in range(2):
+        line.observe(4, 0, 1.0, 0.0)
+    for swing in (1.0, 1.0, 1.05):   # cold, then k = 4 measured 5% dear, twice
+        for k in (3, 4, 5):
+            line.observe(4, k, (1.2 + 0.1 * k) * (swing if k == 4 else 1.0), 0.0)
+            line.observe(4, 0, 1.0, 0.0)
+    assert line.ratio[4][4] == pytest.approx(1.6 * 1.025)   # its own median: 2.5% dear
+    assert abs(line.relative(4, 4) - 1.6) < 0.4 * abs(line.ratio[4][4] - 1.6)

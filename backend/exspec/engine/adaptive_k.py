@@ -3,6 +3,7 @@ The scheduler asks it for a group's k and tells it every step's outcome."""
 from __future__ import annotations
 
 from .group import Group
+from .step_cost import StepCost
 
 
 class AdaptiveK:
@@ -23,29 +24,25 @@ class AdaptiveK:
     acceptance. With no counts at all this is the geometric model at the group's acceptance,
     estimated per sequence (and pool-wide, as the prior for new sequences) as
     accepted / (accepted + rejections) over recent steps.
-    Step cost at k >= 1 is modelled as rest + k x draft: a step's time besides its drafts
-    (verification, acceptance, bookkeeping) and one draft forward, both moving averages (EMA)
-    per batch-size bucket, updated together from every speculative step, whatever its k. Both
-    are measured at the same moments, so the comparison of k's does not move with the host's
-    speed: this host's speed swings by +-20% within seconds and one step's time differs from the
-    next by 7% (median; 25% at the 90th percentile), more than neighbouring k's differ near the
-    best (5-9% on the demo pair), and the earlier table of measured step times per k, each k
-    timed at its own moments, compared k's at different speeds and settled one below its best
-    (0.91 of the best fixed k at B = 1, timed tick by tick).
-    The verification's width prices k too: the step besides its drafts is modelled as
-    P (1 + gamma k), P a plain (one-token) step, gamma what each more verified column costs as a
-    share of P: ~0 where the verifier is launch- or memory-bound (a GPU at small batch), 0.14 on
-    this 2-core CPU at B = 1 for the real pair (compute-bound), more at larger batches. gamma
-    comes from the one plain step measured per bucket (below): its time as a share of the
-    `rest` of its moment, at the mean k `rest` was measured over (`kbar`). Costs then follow
-    `rest` as it moves: P = rest / (1 + gamma kbar). Until plain decoding is measured, width
-    costs nothing and a plain step is taken as costly as `rest`. A bucket not measured yet
-    borrows the nearest measured bucket's costs.
-    Plain decoding is measured once per batch-size bucket, by one plain step right after the
-    bucket's first speculative step: its cost cannot be told from speculative steps (on a
-    compute-bound verifier a one-token step costs a fraction of a k + 1 wide one, on a
-    memory-bound one about as much), and taking it as costly as `rest` kept a marginal draft
-    speculating at B = 8 on a CPU at 0.91x autoregressive (an optimism bonus of 1.3 on that
+    A step's cost at k comes from `StepCost` (step_cost.py): per batch-size bucket, a plain
+    step's seconds now, what each verified width costs in plain steps (measured as ratios to
+    the moment's speed, since this host's speed swings more than neighbouring k's differ), and
+    one draft forward (its prices: each width's own where it stands out from a fit, a
+    speculative step's own cost plus one per verified column, the fit's where it does not). A width the group does not run is measured by a neighbour probe: every
+    WIDTH_PROBE_EVERY speculative steps at a bucket one step runs at k + 1 or k - 1 (in turn),
+    and the group goes back to the k it left, hysteresis kept; each probe that leaves k where
+    it was doubles the spacing (up to 8 times), one that moves k resets it: a probe runs a step
+    at a k thought worse, and once k has settled few probes move it. Without probes only the widths
+    k once passed through are measured, and the others are extrapolated from them: one share
+    per column, taken from the first, overpriced k = 2 for the EAGLE-3 head on the real pair at
+    B = 8 (k = 1 step 1.57 plain steps, k = 2 step 1.63: a step's own cost 0.51, a column 0.06)
+    and kept it at k = 1, 0.96 of fixed k = 2.
+    Plain decoding is measured once per batch-size bucket, by plain steps right after the
+    bucket's first speculative steps (the first of each width runs cold: StepCost): its cost
+    cannot be told from speculative steps (on a compute-bound verifier a one-token step costs a
+    fraction of a k + 1 wide one, on a memory-bound one about as much), and taking it as costly
+    as a speculative step besides its drafts kept a marginal draft speculating at B = 8 on a
+    CPU at 0.91x autoregressive (an optimism bonus of 1.3 on that
     guess still lost to 1.66 tokens per step). Speculation is probed again after
     PROBE_EVERY plain steps, at the k most likely to pay, and twice as rarely each time a probe
     leads back to plain decoding.
@@ -55,6 +52,8 @@ class AdaptiveK:
     proposal kept to it (choosing one k for the group as well capped long, sure proposals at the
     k that short ones and rows without a match pulled down: suffix decoding on the two-turn set
     at B = 8 ran at 0.93 of fixed k = 5, accepted length 3.23 vs 3.52; priced per step, 0.99).
+    It does not probe neighbouring widths: proposals of every length measure widths as they
+    come, and a probe cutting a proposal by one cost the n-gram proposer 1-2% at B = 1.
     Its acceptance per depth is counted over proposals alone (`kept_hazards`: whether the j-th
     proposed token is kept, given the row proposed it), since the rows without a proposal are
     known this time, and per proposal length, shrunk toward all lengths': a lookup proposer
@@ -67,7 +66,7 @@ class AdaptiveK:
     # wider margin (10% before) left k one below its best for good.
     GAIN_TO_SWITCH = 1.03
     PROBE_EVERY = 8         # plain steps before speculation is tried again (doubles up to 256)
-    EMA = 0.1               # of a bucket's costs, per step measured there (~10 steps' memory)
+    WIDTH_PROBE_EVERY = 16  # speculative steps at a bucket per neighbour probe (doubles up to 128)
     DECAY = 0.9             # of the pool-wide acceptance counts, per speculative step
     HAZARD_DECAY = 0.98     # of the per-draft counts, per row-step (a memory of ~50 row-steps)
     STALE_DECAY = 0.95      # of the counts of drafts beyond the step's k, per row-step
@@ -75,14 +74,11 @@ class AdaptiveK:
 
     def __init__(self, max_k: int):
         self.max_k = max_k
-        # per batch-size bucket, seconds: a speculative step besides its drafts, one draft
-        # forward; and a plain step's time as a share of `rest` (module doc)
-        self.rest: dict[int, float] = {}
-        self.draft: dict[int, float] = {}
-        self.plain: dict[int, float] = {}
-        # the mean k `rest` is measured over (EMA), and that mean when plain was measured
-        self.kbar: dict[int, float] = {}
-        self.plain_at: dict[int, float] = {}
+        self.costs = StepCost()
+        # per bucket: speculative steps since its last neighbour probe, and the next probe's side
+        self.since_probe: dict[int, int] = {}
+        self.probe_up: dict[int, bool] = {}
+        self.probe_every_width: dict[int, int] = {}   # per bucket: the probes' current spacing
         self.recent_accepted, self.recent_rejections = 7.0, 3.0   # prior: acceptance 0.7
         self.probe_every = self.PROBE_EVERY
         # decayed counts per draft depth j (index j - 1): rows whose draft j was verified, and
@@ -101,39 +97,23 @@ class AdaptiveK:
     def acceptance(self) -> float:
         return self.recent_accepted / (self.recent_accepted + self.recent_rejections)
 
-    @staticmethod
-    def bucket(batch: int) -> int:
-        return 1 << (batch - 1).bit_length()   # 1, 2, 4, 8, 16, ...
-
-    def _measured(self, batch: int) -> int | None:
-        """The bucket whose costs stand for this batch size: its own, else the nearest measured."""
-        if not self.rest:
-            return None
-        here = self.bucket(batch)
-        if here in self.rest:
-            return here
-        return min(self.rest, key=lambda b: abs(b.bit_length() - here.bit_length()))
-
     def cost(self, batch: int, k: int) -> float | None:
-        """A step's estimated seconds at k (module doc); None before any speculative step."""
-        b = self._measured(batch)
-        if b is None:
-            return None
-        gamma = self.width_cost(b)
-        if gamma is None:   # width unpriced: every speculative step costs rest besides drafts
-            if k == 0:
-                return self.plain.get(b, 1.0) * self.rest[b]
-            return self.rest[b] + k * self.draft[b]
-        plain = self.rest[b] / (1.0 + gamma * self.kbar[b])
-        return plain * (1.0 + gamma * k) + k * self.draft[b]
+        """A step's estimated seconds at k (StepCost); None before any step."""
+        return self.costs.seconds(batch, k)
 
-    def width_cost(self, bucket: int) -> float | None:
-        """gamma: one more verified column's cost as a share of a plain step (module doc);
-        None until plain decoding is measured at this bucket."""
-        at = self.plain_at.get(bucket)
-        if not at or bucket not in self.plain:
-            return None
-        return max(0.0, (1.0 / self.plain[bucket] - 1.0) / at)
+    def neighbour_probe(self, batch: int, k: int, low: int, high: int) -> int:
+        """k, or every WIDTH_PROBE_EVERY speculative steps at this bucket a neighbour of it
+        within low .. high (k + 1 and k - 1 in turn), so the widths around k stay measured."""
+        b = self.costs.bucket(batch)
+        if k == 0 or not self.costs.priced(b):
+            return k
+        self.since_probe[b] = self.since_probe.get(b, 0) + 1
+        if self.since_probe[b] < self.probe_every_width.get(b, self.WIDTH_PROBE_EVERY):
+            return k
+        self.since_probe[b] = 0
+        up = self.probe_up[b] = not self.probe_up.get(b, False)
+        sides = [k + 1, k - 1] if up else [k - 1, k + 1]
+        return next((n for n in sides if low <= n <= high), k)
 
     def hazards(self, acceptance: float, verified=None, rejected=None) -> list[float]:
         """h_1 .. h_max_k: each depth's measured rejection share, shrunk toward the depth before."""
@@ -164,8 +144,8 @@ class AdaptiveK:
         although rows proposed teaches nothing, so after `width_probe_every` of them in a row
         one is verified whole (twice as rarely each time, as `choose` probes)."""
         top = max(lengths, default=0)
-        bucket = self._measured(batch)
-        if top == 0 or bucket is None or self.width_cost(bucket) is None:
+        bucket = self.costs.nearest(batch)
+        if top == 0 or bucket is None or not self.costs.priced(bucket):
             return top
         pooled = self.kept_hazards()
         reach = {}   # per length n: expected tokens kept of such a proposal cut to 0 .. n
@@ -198,13 +178,16 @@ class AdaptiveK:
     def choose(self, group: Group, cap: int, per_step: bool = False) -> int:
         """The group's k. `per_step`: proposals are known before each step (a lookup
         proposer), so `width` prices them step by step and k is only each row's cap: the cap,
-        but for the one plain step that measures plain decoding at a bucket."""
+        but for the plain steps that measure plain decoding at a bucket."""
         batch = len(group)
-        here = self.bucket(batch)
+        here = self.costs.bucket(batch)
+        unpriced = self.costs.has(here) and not self.costs.priced(here)
         if per_step:   # nothing to weigh here: `width` prices each step
-            return 0 if here in self.rest and here not in self.plain else cap
+            return 0 if unpriced else cap
         acceptance = group.acceptance(self.acceptance)
-        current = min(group.k if group.k is not None else cap, cap)
+        # after a neighbour probe the group weighs from the k it left
+        left, group.k_before_probe = group.k_before_probe, None
+        current = min(left if left is not None else group.k if group.k is not None else cap, cap)
         tokens = self.tokens_by_k(acceptance)
         costs = [self.cost(batch, k) for k in range(cap + 1)]
         if costs[0] is None:
@@ -215,13 +198,22 @@ class AdaptiveK:
             # re-measure acceptance now and then, more rarely each time, at the k most likely
             # to pay (at low acceptance the cheapest probe, k = 1)
             return max(range(1, cap + 1), key=rates.__getitem__)
-        if here in self.rest and here not in self.plain:
+        if unpriced:
             return 0   # plain decoding, unmeasured at this bucket: one step measures it
         best = max(range(cap + 1), key=rates.__getitem__)
         choice = best if rates[best] > rates[current] * self.GAIN_TO_SWITCH else current
         if choice > 0 and current > 0:
             self.probe_every = self.PROBE_EVERY   # speculation pays again: probe eagerly
-        return choice
+        if left is not None and group.k not in self.costs.ratio.get(here, {}):
+            self.probe_up[here] = not self.probe_up.get(here, False)   # it ran cold: that side again
+        elif left is not None:   # a probe that left k where it was: probe half as often, up to 128
+            spacing = self.probe_every_width.get(here, self.WIDTH_PROBE_EVERY)
+            self.probe_every_width[here] = (min(2 * spacing, 8 * self.WIDTH_PROBE_EVERY)
+                                            if choice == left else self.WIDTH_PROBE_EVERY)
+        probe = self.neighbour_probe(batch, choice, 0, cap)
+        if probe != choice:
+            group.k_before_probe = choice
+        return probe
 
     def observe(self, batch: int, k: int, seconds: float, draft_seconds: float,
                 accepted: list[int], proposed: list[int] | None = None,
@@ -235,15 +227,9 @@ class AdaptiveK:
         tokens past the cut were never verified, which says nothing of them; counted at the
         cut length instead, a sure long proposal cut to 3 made 3-token proposals look sure
         and left the long ones' own counts thin, so they were cut again)."""
-        b = self.bucket(batch)
+        self.costs.observe(batch, k, seconds, draft_seconds)
         if k == 0:
-            if b in self.rest:
-                _ema(self.plain, b, seconds / self.rest[b], self.EMA)
-                self.plain_at[b] = self.kbar[b]
             return
-        _ema(self.rest, b, seconds - draft_seconds, self.EMA)
-        _ema(self.draft, b, draft_seconds / k, self.EMA)
-        _ema(self.kbar, b, float(k), self.EMA)
         proposed = proposed or [k] * len(accepted)
         self.recent_accepted = self.DECAY * self.recent_accepted + sum(accepted)
         self.recent_rejections = self.DECAY * self.recent_rejections + sum(
@@ -263,9 +249,3 @@ class AdaptiveK:
                 self.proposed_verified[length - 1][j] += 1.0
             if a < n:
                 self.proposed_rejected[length - 1][a] += 1.0
-
-
-def _ema(table: dict, key, value: float, weight: float) -> None:
-    """Move table[key] toward value by `weight` (the first value sets it)."""
-    old = table.get(key)
-    table[key] = value if old is None else old + weight * (value - old)

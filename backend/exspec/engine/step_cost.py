@@ -1,0 +1,211 @@
+"""StepCost: what a step costs per batch-size bucket and verified width, measured as the engine
+runs (adaptive k prices k with it; design: "EXSPEC scheduling")."""
+from __future__ import annotations
+
+import math
+import statistics
+
+
+class StepCost:
+    """Seconds of a step at k drafts: `level x relative(k) + k x draft`, per batch-size bucket.
+
+    `relative(k)`: the step besides its drafts (verifying k + 1 tokens a row, accepting,
+    bookkeeping) in plain (one-token) steps, measured per width. On a compute-bound verifier it
+    grows with the width, and not evenly (this 2-core CPU, the real pair at B = 8: a k = 1 step
+    1.57 plain steps, a k = 2 step 1.63: one share per column, taken from the first, overpriced
+    k = 2 and kept the EAGLE-3 head at k = 1, 0.96 of fixed k = 2); on a memory- or launch-bound
+    one (a GPU at small batch) it hardly grows. `level`: a plain step's seconds now.
+
+    This host's speed swings by +-20% within seconds and one step's time differs from the next by
+    7% (median), more than neighbouring widths differ near the best, so widths are not each timed
+    at their own moments (an earlier table of step times per k settled one k below its best).
+    The running width is the yardstick: its steps move the level, its ratio held; a step at
+    another width measures that width as a ratio to the level (a neighbour probe, the other
+    group's k), and two steps in a row at another width make it the yardstick (k moved). Every
+    width is so measured against one fixed reference: when each width's step re-measured it
+    against a level the others had moved, the ratios drifted together, 10% in one demo-pair
+    run. A width's ratio is the median of its last RATIO_MEMORY measurements, so one step the
+    host slowed does not price a width out until its next measurements (a mean left k = 5 at
+    1.97 plain steps where probes measured 1.45 and held the demo pair at k = 4 for a run).
+
+    A width's first step at a bucket runs cold (shapes new to the allocator and the kernels:
+    the demo pair's first k = 3 step at B = 8 took 29 ms where the next took 17) and is not
+    counted: counted, cold steps left k = 3 priced at 2.2 plain steps and k = 5 at 1.8 (1.56
+    warm), and adaptive k settled on k = 4 at 0.92 of fixed k = 5 (`make bench`, exspec B = 8).
+
+    A width's price is its own median where it stands out from a fit to all measured widths,
+    the fit where it does not. The fit is `1 + jump + column x k` (least squares, each width
+    weighted by its measurements, neither below 0): a speculative step's own cost beyond a plain
+    one, then each verified column's. Neither alone prices every verifier: single widths'
+    medians are noisy (+-5-10% on the demo pair, where neighbouring widths differ by 0-5%), and
+    priced one by one they held k one or two below its best for whole runs (0.87 of fixed k = 5
+    at exspec B = 4); a line cannot price a staircase (the real pair at B = 1 on this CPU: k = 1
+    1.07 plain steps, k = 2 1.15, k = 3 1.65, k = 4 1.71; the line, 0.17 a column, priced k = 1
+    above plain decoding's rate where k = 1 is 9% faster, and adaptive k ran a third of its
+    steps plain, 0.97 of fixed k = 1). So each width's median is shrunk toward the fit by its
+    noise: kept by 1 - se^2 / d^2 (d its distance from the fit, se^2 the variance of a median of
+    its n measurements at the host's scatter, pooled over every width's measurements around
+    their medians): a width measured often and far from the line keeps its own price, one
+    within its noise of the line takes the line's. A width not measured costs the lower of the
+    fit and the line between the measured widths on either side of it: priced too cheap, a
+    width is run and so measured; priced too dear, it is never run (the real pair at B = 1 with
+    k = 3 and 4 measured: the fit through them priced k = 1 at 1.51 plain steps, not 1.07, and
+    adaptive k ran at k = 3 until a neighbour probe measured k = 2). The yardstick's price to plain decoding is
+    measured by the plain steps, so it counts their measurements. With one width measured the
+    jump is 0. Before plain steps are measured (`priced`: PLAIN_SAMPLES of them, warm) every
+    width costs the measured widths' mean and a plain step as much. A bucket not measured yet
+    borrows the nearest measured bucket's costs.
+    """
+
+    LEVEL_EMA = 0.1     # of the level and of a draft forward's seconds, per step (~10 steps)
+    RATIO_MEMORY = 5    # measurements a width's ratio is the median of
+    PLAIN_SAMPLES = 3   # warm plain steps that price a bucket's widths (one alone: +-7%)
+    SCATTER = 0.1       # prior of one step's relative scatter around its width's median ...
+    SCATTER_PRIOR = 4   # ... worth this many measurements
+
+    def __init__(self):
+        self.level: dict[int, float] = {}                # bucket -> seconds of a plain step now
+        self.ratio: dict[int, dict[int, float]] = {}     # bucket -> {k: cost in plain steps}
+        self.samples: dict[int, dict[int, list[float]]] = {}   # bucket -> {k: recent ratios}
+        self.draft: dict[int, float] = {}                # bucket -> seconds per draft forward
+        self.last_k: dict[int, int] = {}                 # bucket -> its last step's k
+        self.yardstick: dict[int, int] = {}              # bucket -> the width that sets the level
+        self.seen: dict[int, set[int]] = {}              # bucket -> widths stepped there
+        self.prices: dict[int, dict[int, float]] = {}    # bucket -> {k: relative(k)}, kept
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << (batch - 1).bit_length()   # 1, 2, 4, 8, 16, ...
+
+    def nearest(self, batch: int) -> int | None:
+        """The bucket whose costs stand for this batch size: its own, else the nearest measured."""
+        if not self.level:
+            return None
+        here = self.bucket(batch)
+        if here in self.level:
+            return here
+        return min(self.level, key=lambda b: abs(b.bit_length() - here.bit_length()))
+
+    def has(self, bucket: int) -> bool:
+        return bucket in self.level
+
+    def priced(self, bucket: int) -> bool:
+        """Whether plain steps have been measured at this bucket (so width has a price): as the
+        yardstick, or PLAIN_SAMPLES times against it."""
+        if bucket not in self.level:
+            return False
+        return self.yardstick[bucket] == 0 or len(self.samples[bucket].get(0, ())) >= self.PLAIN_SAMPLES
+
+    def seconds(self, batch: int, k: int) -> float | None:
+        """A step's estimated seconds at k; None before any step was measured."""
+        b = self.nearest(batch)
+        if b is None:
+            return None
+        return self.level[b] * self.relative(b, k) + k * self.draft.get(b, 0.0)
+
+    def relative(self, bucket: int, k: int) -> float:
+        """A step at k besides its drafts, in plain steps at this bucket: its own median shrunk
+        toward the fit by its noise (class doc); before plain decoding is measured, the
+        measured widths' mean. Kept until a measurement changes the bucket's prices (priced
+        afresh at every choice, they took 60 us a step: three times the rest of adaptive k)."""
+        prices = self.prices.setdefault(bucket, {})
+        if k not in prices:
+            prices[k] = self._relative(bucket, k)
+        return prices[k]
+
+    def _relative(self, bucket: int, k: int) -> float:
+        ratio = self.ratio[bucket]
+        if not self.priced(bucket):
+            speculative = [r for w, r in ratio.items() if w > 0]
+            return sum(speculative) / len(speculative)
+        if k == 0:
+            return 1.0
+        jump, column = self.fit(bucket)
+        line = 1.0 + jump + column * k
+        if k not in ratio:   # the cheaper of the fit and the measured widths on either side
+            below = max(w for w in ratio if w < k)
+            above = min((w for w in ratio if w > k), default=None)
+            if above is None:
+                return line
+            low, high = self.relative(bucket, below), self.relative(bucket, above)
+            return min(line, low + (high - low) * (k - below) / (above - below))
+        apart = (ratio[k] - line) ** 2
+        noise = (math.pi / 2) * self.scatter(bucket) * ratio[k] ** 2 / self.measurements(bucket, k)
+        kept = max(0.0, 1.0 - noise / apart) if apart > 0.0 else 0.0
+        return line + kept * (ratio[k] - line)
+
+    def measurements(self, bucket: int, k: int) -> int:
+        """How many measurements a width's price rests on: the yardstick's, the plain steps'."""
+        samples = self.samples[bucket]
+        return len(samples.get(0 if k == self.yardstick[bucket] else k, ())) or 1
+
+    def scatter(self, bucket: int) -> float:
+        """One step's relative variance around its width's median, pooled over the bucket's
+        widths, with SCATTER_PRIOR measurements' worth of SCATTER."""
+        total, count = self.SCATTER_PRIOR * self.SCATTER ** 2, self.SCATTER_PRIOR
+        for w, recent in self.samples[bucket].items():
+            if len(recent) > 1:
+                total += sum((r / self.ratio[bucket][w] - 1.0) ** 2 for r in recent)
+                count += len(recent) - 1
+        return total / count
+
+    def fit(self, bucket: int) -> tuple[float, float]:
+        """(jump, column): a speculative step's cost over a plain one besides its columns, and
+        each verified column's, both in plain steps and >= 0; least squares over the measured
+        widths' ratios, each weighted by its measurements. One width measured: no jump."""
+        points = [(w, r - 1.0, self.measurements(bucket, w))
+                  for w, r in self.ratio[bucket].items() if w > 0]
+        if not points:
+            return 0.0, 0.0
+        n = sum(c for _, _, c in points)
+        if len({w for w, _, _ in points}) > 1:
+            mw = sum(c * w for w, _, c in points) / n
+            my = sum(c * y for _, y, c in points) / n
+            column = (sum(c * (w - mw) * (y - my) for w, y, c in points)
+                      / sum(c * (w - mw) ** 2 for w, _, c in points))
+            if column < 0.0:   # wider never cheaper
+                return max(my, 0.0), 0.0
+            if my - column * mw >= 0.0:
+                return my - column * mw, column
+        # no jump: a share per column through plain
+        return 0.0, max(0.0, sum(c * w * y for w, y, c in points) / sum(c * w * w for w, _, c in points))
+
+    def observe(self, batch: int, k: int, seconds: float, draft_seconds: float) -> None:
+        """A step at k (0: plain) took `seconds`, `draft_seconds` of them drafting."""
+        b = self.bucket(batch)
+        rest = max(seconds - draft_seconds, 1e-9)
+        if k > 0:
+            _ema(self.draft, b, draft_seconds / k, self.LEVEL_EMA)
+        seen = self.seen.setdefault(b, set())
+        if k not in seen:   # a width's first step here runs cold: it teaches nothing
+            seen.add(k)
+            return
+        if b not in self.level:   # the bucket's first warm step: the unit and the yardstick
+            self.prices.pop(b, None)
+            self.level[b], self.ratio[b], self.samples[b] = rest, {k: 1.0}, {k: [1.0]}
+            self.yardstick[b] = self.last_k[b] = k
+            return
+        ratio, samples = self.ratio[b], self.samples[b]
+        if k != self.yardstick[b] and k == self.last_k[b] and k in ratio and (k or self.priced(b)):
+            self.yardstick[b] = k   # the running width moved here (not plain steps still measured)
+            self.prices.pop(b, None)
+        if k == self.yardstick[b]:   # the level follows the host's speed
+            self.level[b] += self.LEVEL_EMA * (rest / ratio[k] - self.level[b])
+        else:   # another width: a ratio to the yardstick's level
+            self.prices.pop(b, None)
+            recent = samples.setdefault(k, [])
+            recent[:] = recent[-(self.RATIO_MEMORY - 1):] + [rest / self.level[b]]
+            ratio[k] = statistics.median(recent)
+            if k == 0:   # keep plain steps the unit: rescale the ratios, the level with them
+                unit = ratio[0]
+                ratio.update({w: r / unit for w, r in ratio.items()})
+                for recent in samples.values():
+                    recent[:] = [r / unit for r in recent]
+                self.level[b] *= unit
+        self.last_k[b] = k
+
+
+def _ema(table: dict, key, value: float, weight: float) -> None:
+    """Move table[key] toward value by `weight` (the first value sets it)."""
+    old = table.get(key)
+    table[key] = value if old is None else old + weight * (value - old)
