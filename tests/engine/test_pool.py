@@ -258,6 +258,10 @@ def costs(ak, bucket, rest, draft, plain=None):
     c.ratio[bucket] = {1: 1 / unit, ak.max_k: 1 / unit} | ({} if plain is None else {0: 1.0})
     c.samples[bucket] = {k: [r] * c.PLAIN_SAMPLES for k, r in c.ratio[bucket].items()}
     c.prices.pop(bucket, None)   # set by hand: the kept prices are stale
+    if plain is None:
+        c.plain_measured.discard(bucket)
+    else:
+        c.plain_measured.add(bucket)
 
 
 def test_adaptive_k_hysteresis_and_fallback_to_plain():
@@ -627,7 +631,8 @@ def test_step_cost_keeps_a_widths_own_price_where_it_stands_out_from_the_line():
     +-2% scatter: a line misprices k = 1 by 0.1 (above the 9% that k = 1 gains on plain
     decoding there), the prices keep each width's own median (within its noise of it). Widths on a line measured twice,
     5% off it one way: within their noise of the line, they are priced by it. A width not
-    measured is priced no dearer than the line between its measured neighbours."""
+    measured is priced no dearer than the line between its measured neighbours; the running
+    width (the yardstick) is priced as measured."""
     from exspec.engine.step_cost import StepCost
     stairs, scatter = {1: 1.07, 2: 1.15, 3: 1.65, 4: 1.71}, [1.0, 1.02, 0.98, 1.01, 0.99, 1.0]
     cost = StepCost()
@@ -664,3 +669,7 @@ def test_step_cost_keeps_a_widths_own_price_where_it_stands_out_from_the_line():
             line.observe(4, 0, 1.0, 0.0)
     assert line.ratio[4][4] == pytest.approx(1.6 * 1.025)   # its own median: 2.5% dear
     assert abs(line.relative(4, 4) - 1.6) < 0.4 * abs(line.ratio[4][4] - 1.6)
+    for _ in range(2):   # k = 4 runs now: the yardstick every step is measured against
+        line.observe(4, 4, 1.6 * 1.025, 0.0)
+    assert line.yardstick[4] == 4 and line.ratio[4][4] > 1.61
+    assert line.relative(4, 4) == line.ratio[4][4], "the yardstick is priced as measured"

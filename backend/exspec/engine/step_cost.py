@@ -51,7 +51,9 @@ class StepCost:
     width is run and so measured; priced too dear, it is never run (the real pair at B = 1 with
     k = 3 and 4 measured: the fit through them priced k = 1 at 1.51 plain steps, not 1.07, and
     adaptive k ran at k = 3 until a neighbour probe measured k = 2). The yardstick's price to plain decoding is
-    measured by the plain steps, so it counts their measurements. With one width measured the
+    measured by the plain steps, so it counts their measurements in the fit, and its price is
+    its own: shrunk toward a fit that a few probes' measurements pulled, the demo pair's k = 5
+    at B = 8 was priced 5% above its measure (1.71 plain steps for 1.62). With one width measured the
     jump is 0. Before plain steps are measured (`priced`: PLAIN_SAMPLES of them, warm) every
     width costs the measured widths' mean and a plain step as much. A bucket not measured yet
     borrows the nearest measured bucket's costs.
@@ -72,6 +74,7 @@ class StepCost:
         self.yardstick: dict[int, int] = {}              # bucket -> the width that sets the level
         self.seen: dict[int, set[int]] = {}              # bucket -> widths stepped there
         self.prices: dict[int, dict[int, float]] = {}    # bucket -> {k: relative(k)}, kept
+        self.plain_measured: set[int] = set()            # buckets whose widths are priced
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -91,10 +94,9 @@ class StepCost:
 
     def priced(self, bucket: int) -> bool:
         """Whether plain steps have been measured at this bucket (so width has a price): as the
-        yardstick, or PLAIN_SAMPLES times against it."""
-        if bucket not in self.level:
-            return False
-        return self.yardstick[bucket] == 0 or len(self.samples[bucket].get(0, ())) >= self.PLAIN_SAMPLES
+        yardstick, or PLAIN_SAMPLES times against it; for good (plain steps taken as the
+        yardstick once, then left, stay measured)."""
+        return bucket in self.plain_measured
 
     def seconds(self, batch: int, k: int) -> float | None:
         """A step's estimated seconds at k; None before any step was measured."""
@@ -120,6 +122,8 @@ class StepCost:
             return sum(speculative) / len(speculative)
         if k == 0:
             return 1.0
+        if k == self.yardstick[bucket]:   # the reference every step moves: as measured
+            return ratio[k]
         jump, column = self.fit(bucket)
         line = 1.0 + jump + column * k
         if k not in ratio:   # the cheaper of the fit and the measured widths on either side
@@ -184,6 +188,8 @@ class StepCost:
             self.prices.pop(b, None)
             self.level[b], self.ratio[b], self.samples[b] = rest, {k: 1.0}, {k: [1.0]}
             self.yardstick[b] = self.last_k[b] = k
+            if k == 0:
+                self.plain_measured.add(b)
             return
         ratio, samples = self.ratio[b], self.samples[b]
         if k != self.yardstick[b] and k == self.last_k[b] and k in ratio and (k or self.priced(b)):
@@ -203,6 +209,8 @@ class StepCost:
                     recent[:] = [r / unit for r in recent]
                 self.level[b] *= unit
         self.last_k[b] = k
+        if self.yardstick[b] == 0 or len(samples.get(0, ())) >= self.PLAIN_SAMPLES:
+            self.plain_measured.add(b)
 
 
 def _ema(table: dict, key, value: float, weight: float) -> None:
