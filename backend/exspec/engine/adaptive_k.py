@@ -25,18 +25,19 @@ class AdaptiveK:
     estimated per sequence (and pool-wide, as the prior for new sequences) as
     accepted / (accepted + rejections) over recent steps.
     A step's cost at k comes from `StepCost` (step_cost.py): per batch-size bucket, a plain
-    step's seconds now, what each verified width costs in plain steps (measured as ratios to
-    the moment's speed, since this host's speed swings more than neighbouring k's differ), and
-    one draft forward (its prices: each width's own where it stands out from a fit, a
-    speculative step's own cost plus one per verified column, the fit's where it does not). A width the group does not run is measured by a neighbour probe: every
-    WIDTH_PROBE_EVERY speculative steps at a bucket one step runs at k + 1 or k - 1 (in turn),
-    and the group goes back to the k it left, hysteresis kept; each probe that leaves k where
-    it was doubles the spacing (up to 8 times), one that moves k resets it: a probe runs a step
-    at a k thought worse, and once k has settled few probes move it. Without probes only the widths
-    k once passed through are measured, and the others are extrapolated from them: one share
-    per column, taken from the first, overpriced k = 2 for the EAGLE-3 head on the real pair at
-    B = 8 (k = 1 step 1.57 plain steps, k = 2 step 1.63: a step's own cost 0.51, a column 0.06)
-    and kept it at k = 1, 0.96 of fixed k = 2.
+    step's seconds now, what each verified width costs in plain steps (measured as ratios to the
+    moment's speed, since this host's speed swings more than neighbouring k's differ), and one
+    draft forward (its prices: each width's own where it stands out from a fit, a speculative
+    step's own cost plus one per verified column, the fit's where it does not). A width the
+    group does not run is measured by a neighbour probe: every WIDTH_PROBE_EVERY speculative
+    steps at a bucket one step runs at k + 1 or k - 1 (in turn), and the group goes back to the
+    k it left, hysteresis kept; each probe that leaves k where it was doubles the spacing (up to
+    8 times), one that moves k resets it: a probe runs a step at a k thought worse, and once k
+    has settled few probes move it. Without probes only the widths k once passed through are
+    measured, and the others are extrapolated from them: one share per column, taken from the
+    first, overpriced k = 2 for the EAGLE-3 head on the real pair at B = 8 (k = 1 step 1.57
+    plain steps, k = 2 step 1.63: a step's own cost 0.51, a column 0.06) and kept it at k = 1,
+    0.96 of fixed k = 2.
     Plain decoding is measured once per batch-size bucket, by plain steps right after the
     bucket's first speculative steps (the first of each width runs cold: StepCost): its cost
     cannot be told from speculative steps (on a compute-bound verifier a one-token step costs a

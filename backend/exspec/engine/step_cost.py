@@ -33,8 +33,8 @@ class StepCost:
     counted: counted, cold steps left k = 3 priced at 2.2 plain steps and k = 5 at 1.8 (1.56
     warm), and adaptive k settled on k = 4 at 0.92 of fixed k = 5 (`make bench`, exspec B = 8).
 
-    A width's price is its own median where it stands out from a fit to all measured widths,
-    the fit where it does not. The fit is `1 + jump + column x k` (least squares, each width
+    A width's price is its own median where it stands out from a fit to all measured widths, the
+    fit where it does not. The fit is `1 + jump + column x k` (least squares, each width
     weighted by its measurements, neither below 0): a speculative step's own cost beyond a plain
     one, then each verified column's. Neither alone prices every verifier: single widths'
     medians are noisy (+-5-10% on the demo pair, where neighbouring widths differ by 0-5%), and
@@ -45,18 +45,18 @@ class StepCost:
     steps plain, 0.97 of fixed k = 1). So each width's median is shrunk toward the fit by its
     noise: kept by 1 - se^2 / d^2 (d its distance from the fit, se^2 the variance of a median of
     its n measurements at the host's scatter, pooled over every width's measurements around
-    their medians): a width measured often and far from the line keeps its own price, one
-    within its noise of the line takes the line's. A width not measured costs the lower of the
-    fit and the line between the measured widths on either side of it: priced too cheap, a
-    width is run and so measured; priced too dear, it is never run (the real pair at B = 1 with
-    k = 3 and 4 measured: the fit through them priced k = 1 at 1.51 plain steps, not 1.07, and
-    adaptive k ran at k = 3 until a neighbour probe measured k = 2). The yardstick's price to plain decoding is
-    measured by the plain steps, so it counts their measurements in the fit, and its price is
-    its own: shrunk toward a fit that a few probes' measurements pulled, the demo pair's k = 5
-    at B = 8 was priced 5% above its measure (1.71 plain steps for 1.62). With one width measured the
-    jump is 0. Before plain steps are measured (`priced`: PLAIN_SAMPLES of them, warm) every
-    width costs the measured widths' mean and a plain step as much. A bucket not measured yet
-    borrows the nearest measured bucket's costs.
+    their medians): a width measured often and far from the line keeps its own price, one within
+    its noise of the line takes the line's. A width not measured costs the lower of the fit and
+    the line between the measured widths on either side of it: priced too cheap, a width is run
+    and so measured; priced too dear, it is never run (the real pair at B = 1 with k = 3 and 4
+    measured: the fit through them priced k = 1 at 1.51 plain steps, not 1.07, and adaptive k
+    ran at k = 3 until a neighbour probe measured k = 2). The yardstick's price to plain
+    decoding is measured by the plain steps, so it counts their measurements in the fit, and its
+    price is its own: shrunk toward a fit that a few probes' measurements pulled, the demo
+    pair's k = 5 at B = 8 was priced 5% above its measure (1.71 plain steps for 1.62). With one
+    width measured the jump is 0. Before plain steps are measured (`priced`: PLAIN_SAMPLES of
+    them, warm) every width costs the measured widths' mean and a plain step as much. A bucket
+    not measured yet borrows the nearest measured bucket's costs.
     """
 
     LEVEL_EMA = 0.1     # of the level and of a draft forward's seconds, per step (~10 steps)
@@ -192,8 +192,9 @@ class StepCost:
                 self.plain_measured.add(b)
             return
         ratio, samples = self.ratio[b], self.samples[b]
-        if k != self.yardstick[b] and k == self.last_k[b] and k in ratio and (k or self.priced(b)):
-            self.yardstick[b] = k   # the running width moved here (not plain steps still measured)
+        moved = k != self.yardstick[b] and k == self.last_k[b] and k in ratio
+        if moved and (k or self.priced(b)):   # not plain steps still being measured
+            self.yardstick[b] = k   # the running width moved here
             self.prices.pop(b, None)
         if k == self.yardstick[b]:   # the level follows the host's speed
             self.level[b] += self.LEVEL_EMA * (rest / ratio[k] - self.level[b])
