@@ -326,6 +326,36 @@ def test_adaptive_k_measures_plain_decoding_once_per_batch_size():
     assert ak.choose(G(1, 0, 0.95), 5) > 0
 
 
+def test_a_bucket_met_later_measures_plain_decoding_only_where_it_could_win():
+    """Once one bucket is priced, a batch size met later (the last rows of a run, a new
+    arrival) borrows its widths' prices, scaled to the running width's measured cost here, and
+    measures plain decoding only where at those prices speculation is within
+    MEASURE_PLAIN_WITHIN of it: plain steps where speculation is far ahead only cost time."""
+    ak = AdaptiveK(max_k=5)
+    costs(ak, 8, rest=1.0, draft=0.1, plain=0.5)   # B = 8: a speculative step 2 plain steps
+    for _ in range(3):   # B = 2, every draft kept: rest 0.6 s at k = 5 (the first runs cold)
+        ak.observe(2, 5, 0.85, 0.25, [5, 5])
+    assert ak.costs.has(2) and not ak.costs.priced(2) and ak.costs.donor(2) == 8
+    assert ak.cost(2, 0) == pytest.approx(0.3) and ak.cost(2, 5) == pytest.approx(0.85)
+    tokens = ak.tokens_by_k(ak.acceptance)
+    assert tokens[5] / 0.85 > 1.5 / 0.3   # speculation 1.5x ahead of plain, at B = 8's prices
+    assert ak.choose(G(2, 5, ak.acceptance), 5) == 5
+    # acceptance falls: speculation's lead shrinks below the margin, and plain is measured
+    for _ in range(20):
+        ak.observe(2, 5, 0.85, 0.25, [0, 1])
+    tokens = ak.tokens_by_k(ak.acceptance)
+    assert max(tokens[k] / ak.cost(2, k) for k in range(1, 6)) < AdaptiveK.MEASURE_PLAIN_WITHIN / 0.3
+    assert ak.choose(G(2, 5, ak.acceptance), 5) == 0
+    for _ in range(1 + StepCost.PLAIN_SAMPLES):
+        ak.observe(2, 0, 0.2, 0.0, [0, 0])
+    assert ak.costs.priced(2) and ak.cost(2, 0) == pytest.approx(0.2, rel=0.05)
+    # the first bucket has no one to borrow from: it measures plain decoding whatever the rates
+    first = AdaptiveK(max_k=5)
+    for _ in range(2):
+        first.observe(2, 5, 0.85, 0.25, [5, 5])
+    assert first.costs.donor(2) is None and first.choose(G(2, 5, first.acceptance), 5) == 0
+
+
 def test_adaptive_k_measures_what_each_k_commits():
     """Acceptance comes in runs: half the row-steps accept all 5 drafts, half none. Every step
     at k = 5 also says what k' < 5 would have committed (min(a, k') + 1), so the yields are

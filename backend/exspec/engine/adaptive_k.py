@@ -39,7 +39,11 @@ class AdaptiveK:
     plain steps, k = 2 step 1.63: a step's own cost 0.51, a column 0.06) and kept it at k = 1,
     0.96 of fixed k = 2.
     Plain decoding is measured once per batch-size bucket, by plain steps right after the
-    bucket's first speculative steps (the first of each width runs cold: StepCost): its cost
+    bucket's first speculative steps (the first of each width runs cold: StepCost), or, at a
+    bucket met after another was priced, only where at the other's prices speculation is within
+    MEASURE_PLAIN_WITHIN of plain decoding's rate (the demo pair's B = 8 runs spent four plain
+    steps of about 25 at the 2-row bucket their last rows met, where speculation runs at twice
+    plain decoding's rate). Its cost
     cannot be told from speculative steps (on a compute-bound verifier a one-token step costs a
     fraction of a k + 1 wide one, on a memory-bound one about as much), and taking it as costly
     as a speculative step besides its drafts kept a marginal draft speculating at B = 8 on a
@@ -72,6 +76,11 @@ class AdaptiveK:
     HAZARD_DECAY = 0.98     # of the per-draft counts, per row-step (a memory of ~50 row-steps)
     STALE_DECAY = 0.95      # of the counts of drafts beyond the step's k, per row-step
     PRIOR_ROWS = 2.0        # pseudo row-steps pulling a draft's hazard toward the one before it
+    # a bucket first met after another was priced measures plain decoding only where, at the
+    # other's prices, speculation's rate is within this factor of plain's (widths' relative
+    # prices differ between buckets by less; measured anyway, plain steps cost the demo pair's
+    # B = 8 runs 2-5%, at the 2-row bucket their last rows met)
+    MEASURE_PLAIN_WITHIN = 1.5
 
     def __init__(self, max_k: int):
         self.max_k = max_k
@@ -101,6 +110,11 @@ class AdaptiveK:
     def cost(self, batch: int, k: int) -> float | None:
         """A step's estimated seconds at k (StepCost); None before any step."""
         return self.costs.seconds(batch, k)
+
+    def priceable(self, bucket: int) -> bool:
+        """Whether a bucket's widths have a price: plain decoding measured there, or at a bucket
+        it borrows from (StepCost.donor)."""
+        return self.costs.priced(bucket) or self.costs.donor(bucket) is not None
 
     def neighbour_probe(self, batch: int, k: int, low: int, high: int) -> int:
         """k, or every WIDTH_PROBE_EVERY speculative steps at this bucket a neighbour of it
@@ -146,7 +160,7 @@ class AdaptiveK:
         one is verified whole (twice as rarely each time, as `choose` probes)."""
         top = max(lengths, default=0)
         bucket = self.costs.nearest(batch)
-        if top == 0 or bucket is None or not self.costs.priced(bucket):
+        if top == 0 or bucket is None or not self.priceable(bucket):
             return top
         pooled = self.kept_hazards()
         reach = {}   # per length n: expected tokens kept of such a proposal cut to 0 .. n
@@ -183,8 +197,8 @@ class AdaptiveK:
         batch = len(group)
         here = self.costs.bucket(batch)
         unpriced = self.costs.has(here) and not self.costs.priced(here)
-        if per_step:   # nothing to weigh here: `width` prices each step
-            return 0 if unpriced else cap
+        if per_step:   # nothing to weigh here: `width` prices each step (a cut to plain measures it)
+            return 0 if unpriced and not self.priceable(here) else cap
         acceptance = group.acceptance(self.acceptance)
         # after a neighbour probe the group weighs from the k it left
         left, group.k_before_probe = group.k_before_probe, None
@@ -199,8 +213,9 @@ class AdaptiveK:
             # re-measure acceptance now and then, more rarely each time, at the k most likely
             # to pay (at low acceptance the cheapest probe, k = 1)
             return max(range(1, cap + 1), key=rates.__getitem__)
-        if unpriced:
-            return 0   # plain decoding, unmeasured at this bucket: one step measures it
+        if unpriced and (not self.priceable(here)
+                         or max(rates[1:]) < self.MEASURE_PLAIN_WITHIN * rates[0]):
+            return 0   # plain decoding, unmeasured at this bucket, could win: measure it
         best = max(range(cap + 1), key=rates.__getitem__)
         choice = best if rates[best] > rates[current] * self.GAIN_TO_SWITCH else current
         if choice > 0 and current > 0:

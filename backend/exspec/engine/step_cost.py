@@ -54,9 +54,11 @@ class StepCost:
     decoding is measured by the plain steps, so it counts their measurements in the fit, and its
     price is its own: shrunk toward a fit that a few probes' measurements pulled, the demo
     pair's k = 5 at B = 8 was priced 5% above its measure (1.71 plain steps for 1.62). With one
-    width measured the jump is 0. Before plain steps are measured (`priced`: PLAIN_SAMPLES of
-    them, warm) every width costs the measured widths' mean and a plain step as much. A bucket
-    not measured yet borrows the nearest measured bucket's costs.
+    width measured the jump is 0. Before plain steps are measured here (`priced`: PLAIN_SAMPLES
+    of them, warm) a bucket borrows the nearest priced bucket's prices (`donor`), scaled so its
+    running width costs what it was measured to cost here; with none priced yet, every width
+    costs the measured widths' mean and a plain step as much. A bucket with no step yet
+    borrows the nearest measured bucket's costs whole.
     """
 
     LEVEL_EMA = 0.1     # of the level and of a draft forward's seconds, per step (~10 steps)
@@ -92,6 +94,14 @@ class StepCost:
     def has(self, bucket: int) -> bool:
         return bucket in self.level
 
+    def donor(self, bucket: int) -> int | None:
+        """The priced bucket nearest this one (ties: the larger, whose widths cost more on a
+        compute-bound verifier), whose prices an unpriced bucket borrows; None if none is."""
+        priced = [b for b in self.plain_measured if b != bucket]
+        if not priced:
+            return None
+        return min(priced, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
+
     def priced(self, bucket: int) -> bool:
         """Whether plain steps have been measured at this bucket (so width has a price): as the
         yardstick, or PLAIN_SAMPLES times against it; for good (plain steps taken as the
@@ -110,16 +120,26 @@ class StepCost:
         toward the fit by its noise (class doc); before plain decoding is measured, the
         measured widths' mean. Kept until a measurement changes the bucket's prices (priced
         afresh at every choice, they took 60 us a step: three times the rest of adaptive k)."""
+        if not self.priced(bucket):   # borrowed or averaged: cheap, and the donor may move
+            return self._unpriced(bucket, k)
         prices = self.prices.setdefault(bucket, {})
         if k not in prices:
             prices[k] = self._relative(bucket, k)
         return prices[k]
 
-    def _relative(self, bucket: int, k: int) -> float:
-        ratio = self.ratio[bucket]
-        if not self.priced(bucket):
+    def _unpriced(self, bucket: int, k: int) -> float:
+        """Before plain decoding is measured here: the donor's prices, scaled so the running
+        width costs what it was measured to cost here; with no donor, every width (plain
+        included) the measured widths' mean."""
+        ratio, donor = self.ratio[bucket], self.donor(bucket)
+        if donor is None:
             speculative = [r for w, r in ratio.items() if w > 0]
             return sum(speculative) / len(speculative)
+        running = self.yardstick[bucket]
+        return ratio[running] * self.relative(donor, k) / self.relative(donor, running)
+
+    def _relative(self, bucket: int, k: int) -> float:
+        ratio = self.ratio[bucket]
         if k == 0:
             return 1.0
         if k == self.yardstick[bucket]:   # the reference every step moves: as measured
