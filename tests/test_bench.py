@@ -199,6 +199,38 @@ def test_ngram_methods_on_a_shipped_prompt_set_are_exact(bench_inputs):
     assert all(c["exact_match_share"] == 1 for c in results["cells"])
 
 
+def test_warm_prompts_are_served_untimed_before_each_run_to_a_proposer_that_learns(
+        bench_inputs, monkeypatch):
+    """--warm-prompts N: the set's first N prompts are the history a server served before;
+    before each run (the warm-up and every repeat) suffix decoding forgets and is served them
+    again, untimed, then the rest are timed and compared with the reference."""
+    from exspec.spec.suffix import SuffixProposer
+    log = []
+    forget, done = SuffixProposer.forget, SuffixProposer.request_done
+    monkeypatch.setattr(SuffixProposer, "forget",
+                        lambda self: (log.append((self, " ")), forget(self)))
+    monkeypatch.setattr(SuffixProposer, "request_done",
+                        lambda self, row, reason: (log.append((self, "d")), done(self, row, reason)))
+    root, args = bench_inputs
+    out = root / "warm"
+    args = list(args)
+    del args[args.index("--prompts"):args.index("--prompts") + 2]
+    args[args.index("--batch-sizes") + 1] = "2"
+    args[args.index("--num-prompts") + 1] = "6"
+    assert main(args + ["--max-tokens", "6", "--prompt-set", "repeated", "--warm-prompts", "2",
+                        "--methods", "autoregressive,exspec_suffix", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["warm_prompts"] == 2 and results["config"]["num_prompts"] == 4
+    assert all(c["exact_match_share"] == 1 for c in results["cells"])
+    # two suffix cells (adaptive k, k = 3), each warmed up and run once: 2 + 4 requests a run
+    cells = {proposer for proposer, _ in log}
+    runs = ["".join(e for p, e in log if p is cell).split() for cell in cells]
+    assert len(cells) == 2 and runs == [["d" * (2 + 4)] * 2] * 2, runs
+    assert "4 prompts (after 2 more, served untimed" in (out / "results.md").read_text()
+    with pytest.raises(SystemExit, match="--warm-prompts 6 leaves no prompt"):
+        main(args + ["--prompt-set", "repeated", "--warm-prompts", "6", "--out", str(out)])
+
+
 def test_eagle3_methods_report_acceptance_by_position_and_the_heads_cost(bench_inputs):
     """--eagle3: a head for the pair's target (random weights: what is checked is the report, the
     equality, and that the drafts' positions and cost are measured). Every cell is exact; each
@@ -357,7 +389,7 @@ def test_processing_bench_times_both_cells_in_one_table(capsys):
 def test_every_shipped_prompt_set_reads_and_multiturn_sets_have_later_turns():
     from exspec.bench.cli import PROMPT_SETS, read_prompts
     sets = {p.stem: read_prompts(p, 1000) for p in PROMPT_SETS.glob("*.jsonl")}
-    assert {"grounded", "open", "agentic", "multiturn", "code_edit"} <= set(sets)
+    assert {"grounded", "open", "agentic", "multiturn", "code_edit", "repeated"} <= set(sets)
     for name, prompts in sets.items():
         assert len(prompts) >= 8 and all(p.text and p.turns[0] == p.text for p in prompts), name
         assert len({p.question_id for p in prompts}) == len(prompts), name

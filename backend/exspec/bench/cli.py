@@ -64,7 +64,8 @@ DRAFTED = ("eqspec", "exspec", "hf_assisted")   # the speculative methods that n
 DEFAULT_METHODS = ",".join(m for m in METHODS if not m.endswith(("_suffix", "_eagle3")))
 # prompt sets shipped with the benchmark (our own text): "grounded" outputs repeat their input
 # (edits, answers from a passage, repeat-with-changes), "open" ones do not; "agentic" repeats
-# earlier requests' formats, "multiturn" (two turns) the first turn's answer, "code_edit" the code
+# earlier requests' formats, "multiturn" (two turns) the first turn's answer, "code_edit" the code,
+# "repeated" earlier requests' answers (the same asks in other words)
 PROMPT_SETS = Path(__file__).resolve().parent / "prompts"
 FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in range(10):\n",
                     "class Engine:\n    def __init__(self):\n", "The quick brown fox "]
@@ -189,16 +190,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eagle3", help="an EAGLE-3 head's folder for the *_eagle3 methods (default "
                     "with --pair smollm2: the shipped head, where there is one)")
     ap.add_argument("--prompts", type=Path, help="SpecBench JSONL (default: the demo prompts)")
-    ap.add_argument("--prompt-set", choices=("grounded", "open", "agentic", "multiturn", "code_edit"),
+    ap.add_argument("--prompt-set", choices=("grounded", "open", "agentic", "multiturn", "code_edit",
+                                             "repeated"),
                     help="a prompt set shipped here instead of --prompts, each turn put through "
                          "the tokenizer's chat template: grounded (outputs repeat the input: "
                          "n-gram proposals pay), open, agentic (JSON extraction, SQL over one "
                          "schema and tool calls, interleaved: outputs repeat earlier requests' "
                          "formats, what suffix decoding's global tree learns), multiturn (a "
                          "second turn asks for the first answer again with a change; the first "
-                         "is answered by the target, greedy, before the run) or code_edit "
-                         "(rewrite the given code with one change)")
+                         "is answered by the target, greedy, before the run), code_edit "
+                         "(rewrite the given code with one change) or repeated (8 tool calls, "
+                         "SQL queries and small functions, asked three times in other words, "
+                         "round after round: what many users of one agent send; with "
+                         "--warm-prompts 8 the first round is the history)")
     ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--warm-prompts", type=int, default=0, metavar="N",
+                    help="the first N of the prompts are not timed: before each run (warm-up "
+                         "and repeats) they are served, untimed, to the cells whose proposer "
+                         "learns across requests (suffix decoding's global tree), as a server "
+                         "that served them before; the rest are the timed workload (default 0)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("-k", type=int, default=5, help="speculative tokens (max k when adaptive)")
     ap.add_argument("--fixed-k", default=None,
@@ -367,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.eagle3 and any(m.endswith("_eagle3") for m in args.methods):
         args.model_pair.head = load_head(args.eagle3, args.model_pair.target, DTYPES[args.dtype], args.device)
     prompts = usable_prompts(args, hf)
+    args.history, prompts = prompts[:args.warm_prompts], prompts[args.warm_prompts:]
+    if not prompts:
+        raise SystemExit(f"exspec-bench: --warm-prompts {args.warm_prompts} leaves no prompt to "
+                         f"time: raise --num-prompts above it")
     sampled = args.temperature > 0
     reference = reference_outputs(args, hf, prompts, sampled, progress)
     typical = round(statistics.mean(len(p.ids) for p in prompts) + args.max_tokens / 2)
@@ -384,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {"pair": pair, "target": args.target, "draft": args.draft, "eagle3": args.eagle3,
               "tokenizer": args.tokenizer,
               "prompts": str(args.prompts) if args.prompts else None, "num_prompts": len(prompts),
+              "warm_prompts": len(args.history),
               "max_tokens": args.max_tokens, "k": args.k, "fixed_k": args.fixed_k,
               "batch_sizes": args.batch_sizes,
               "methods": args.methods, "paths": args.paths, "compile_backend": args.compile_backend,

@@ -85,6 +85,8 @@ def run_interleaved(methods: list, prompts: list[Prompt], max_tokens: int, devic
     of one pair share them), and in a fixed cycle (A B C A B C, rotated or not) the same cell
     always had that neighbour: on the demo pair the cell after its sibling ran 3-6% faster
     whichever of the two it was."""
+    for m in methods:
+        m.before_run(max_tokens)
     work = [m.ticks(prompts, max_tokens) for m in methods]
     seconds = [0.0] * len(methods)
     results: list = [None] * len(methods)
@@ -107,6 +109,9 @@ class Method:
     """`ticks(prompts, max_tokens)`: a generator doing the workload, yielding between units of
     work and returning (outputs, engine stats or None)."""
     device: str
+
+    def before_run(self, max_tokens: int) -> None:
+        """Untimed, before each timed run of the workload."""
 
     def run(self, prompts: list[Prompt], max_tokens: int) -> Run:
         """The workload alone, timed."""
@@ -139,6 +144,8 @@ class EngineMethod(Method):
         self.warm_up = self.engine.warm_up   # compiled path: graphs and seconds
         self.sampling = dict(temperature=args.temperature, top_p=args.top_p)
         self.seed = args.seed
+        # prompts served before each timed run, untimed (--warm-prompts): a server's past
+        self.history = [p.ids for p in getattr(args, "history", ())]
 
     @staticmethod
     def shared_pair(args, drafted: bool):
@@ -148,13 +155,20 @@ class EngineMethod(Method):
             return pair
         return dataclasses.replace(pair, draft=None)
 
-    def ticks(self, prompts: list[Prompt], max_tokens: int):
-        # a run learns only from its own earlier requests (suffix decoding's global tree), not
-        # from the same prompts' answers in the run before
+    def params(self, count: int, max_tokens: int) -> list[SamplingParams]:
+        return [SamplingParams(max_tokens=max_tokens, seed=self.seed + i, **self.sampling)
+                for i in range(count)]
+
+    def before_run(self, max_tokens: int) -> None:
+        # a run learns only from its own earlier requests (suffix decoding's global tree) and
+        # the history (--warm-prompts), not from the same prompts' answers in the run before
         self.engine.proposer.forget()
+        if self.history and self.engine.proposer.learns_across_requests:
+            self.engine.generate(self.history, self.params(len(self.history), max_tokens))
+
+    def ticks(self, prompts: list[Prompt], max_tokens: int):
         before = self.engine.stats()
-        params = [SamplingParams(max_tokens=max_tokens, seed=self.seed + i, **self.sampling)
-                  for i in range(len(prompts))]
+        params = self.params(len(prompts), max_tokens)
         outs = yield from self.engine.generate_ticks([p.ids for p in prompts], params)
         failed = [o.error for o in outs if o.finish_reason == "error"]
         if failed:

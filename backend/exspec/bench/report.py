@@ -199,6 +199,13 @@ def adaptive_against_fixed(cells: list[dict]) -> list[str]:
                        "same moments, so a drift of the machine's speed cancels).", ""])
 
 
+def history(cfg: dict) -> str:
+    """--warm-prompts: the prompts served, untimed, before each run."""
+    n = cfg.get("warm_prompts") or 0
+    return (f" (after {n} more, served untimed before each run to the proposers that learn "
+            f"across requests)") if n else ""
+
+
 def interleaving(cfg: dict) -> str:
     if cfg.get("interleave", "run") == "tick":
         return ("each repeat running a batch size's cells side by side, one tick of each in turn "
@@ -229,7 +236,7 @@ def markdown(results: dict, divergences: list[dict]) -> str:
         f"threads), device {machine['device_name']}; Python {machine['python']}, torch "
         f"{machine['torch']}, transformers {machine['transformers']}; {machine['platform']}.", "",
         f"Pair: {cfg['pair']} (target `{cfg['target']}`, draft `{cfg['draft']}`); "
-        f"{cfg['num_prompts']} prompts from `{cfg['prompts']}`, max_tokens {cfg['max_tokens']}, "
+        f"{cfg['num_prompts']} prompts{history(cfg)} from `{cfg['prompts']}`, max_tokens {cfg['max_tokens']}, "
         f"{sampling(cfg)}, k = {cfg['k']}, {cfg['dtype']} on {cfg['device']}; median of {cfg['repeats']} "
         f"runs per cell, {interleaving(cfg)}; took {cfg['wall_s']} s.", "",
         "tokens/s = generated tokens ÷ the seconds of the run's own ticks; × AR = vs autoregressive at the same batch size; "

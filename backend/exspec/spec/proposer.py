@@ -153,6 +153,7 @@ class Proposer:
     gives_confidences = False  # its drafts' confidences can end a round early (draft_stop.py)
     proposes_on_host = False   # its proposals are known at `plan`, so adaptive k prices each
                                # step's own (AdaptiveK.width) instead of choosing one k
+    learns_across_requests = False   # what it proposes depends on requests served before
     models: tuple = ()         # models it runs: compiled and warmed up with the target
     kv_models: tuple = ()      # models it keeps a KV cache of per group, in the layout's stores
     vocab = None               # how its ids and logits map to the target's (vocab.PaddedVocab)

@@ -201,6 +201,7 @@ class SuffixTree:
 
 class SuffixProposer(LookupProposer):
     name = "suffix"
+    learns_across_requests = True   # the global tree of earlier outputs
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000,
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1):
