@@ -15,7 +15,7 @@ from exspec.spec.draft_model import DraftModelProposer
 from exspec.spec.draft_stop import DraftStop
 from exspec.engine.runner import ModelRunner
 from exspec.engine.adaptive_k import AdaptiveK
-from exspec.engine.step_cost import StepCost
+from exspec.engine.step_cost import Bucket, StepCost
 from exspec.engine.scheduler import Scheduler
 
 from enginekit import make_engine, make_prompts, run_schedule
@@ -250,18 +250,14 @@ class G:
 def costs(ak, bucket, rest, draft, plain=None):
     """Set a bucket's measured costs: a step at k >= 1 takes rest + k x draft (every width
     alike), a plain one `plain` x rest (when None: as before, or unmeasured)."""
-    c = ak.costs
-    if plain is None and 0 in c.ratio.get(bucket, {}):
-        plain = c.ratio[bucket][0] * c.level[bucket] / rest
+    c, old = ak.costs, ak.costs.buckets.get(bucket)
+    if plain is None and old is not None and 0 in old.ratio:
+        plain = old.ratio[0] * old.level / rest
     unit = 1.0 if plain is None else plain   # plain steps are the unit once measured
-    c.level[bucket], c.draft[bucket], c.last_k[bucket], c.yardstick[bucket] = unit * rest, draft, 1, 1
-    c.ratio[bucket] = {1: 1 / unit, ak.max_k: 1 / unit} | ({} if plain is None else {0: 1.0})
-    c.samples[bucket] = {k: [r] * c.PLAIN_SAMPLES for k, r in c.ratio[bucket].items()}
-    c.prices.pop(bucket, None)   # set by hand: the kept prices are stale
-    if plain is None:
-        c.plain_measured.discard(bucket)
-    else:
-        c.plain_measured.add(bucket)
+    ratio = {1: 1 / unit, ak.max_k: 1 / unit} | ({} if plain is None else {0: 1.0})
+    c.buckets[bucket] = Bucket(seen=old.seen if old else set(), draft=draft, level=unit * rest,
+                               yardstick=1, last_k=1, ratio=ratio, priced=plain is not None,
+                               samples={k: [r] * c.PLAIN_SAMPLES for k, r in ratio.items()})
 
 
 def test_adaptive_k_hysteresis_and_fallback_to_plain():
@@ -311,7 +307,7 @@ def test_adaptive_k_measures_plain_decoding_once_per_batch_size():
     for seconds in (0.55, 0.6, 0.65)[:StepCost.PLAIN_SAMPLES]:   # well below rest
         assert ak.choose(G(8, 4, 0.5), 5) == 0, "plain decoding measured a few times"
         ak.observe(8, 0, seconds, 0.0, [0] * 8)
-    assert ak.costs.level[8] == pytest.approx(0.6) and ak.costs.relative(8, 4) == pytest.approx(1.6 / 0.6)
+    assert ak.costs.buckets[8].level == pytest.approx(0.6) and ak.costs.relative(8, 4) == pytest.approx(1.6 / 0.6)
     # 1 token per 0.6 s beats k = 4's 2 per 2.0 s; priced by width (a 5-wide verification
     # cost 1.6 s, a 1-wide one 0.6 s), k = 1's 1.9 tokens per 0.95 s beat both
     assert ak.cost(8, 1) == pytest.approx(0.6 * (1 + (1.6 / 0.6 - 1) / 4) + 0.1)
@@ -633,7 +629,7 @@ def test_step_cost_measures_widths_as_ratios_at_the_moments_speed():
     assert cost.fit(8) == pytest.approx((0.1, 0.25)) and cost.relative(8, 1) == pytest.approx(1.35)
     for _ in range(60):                           # the host slows by a quarter, back at k = 2
         cost.observe(8, 2, 1.25 * 1.7, 1.25 * 0.1)
-    assert cost.yardstick[8] == 2 and cost.fit(8) == pytest.approx((0.1, 0.25))
+    assert cost.buckets[8].yardstick == 2 and cost.fit(8) == pytest.approx((0.1, 0.25))
     assert cost.seconds(8, 0) == pytest.approx(1.25, rel=0.01)   # the level followed
     assert cost.seconds(8, 2) == pytest.approx(1.25 * 1.7, rel=0.01)
     cost.observe(8, 1, 1.25 * 1.4, 1.25 * 0.05)   # another width, at the new speed: the same price
@@ -647,7 +643,7 @@ def test_step_cost_measures_widths_as_ratios_at_the_moments_speed():
     # against; its steps move the level, not its price, however the host's speed swings
     for speed in (1.25, 1.25, 1.5, 1.0):
         cost.observe(8, 1, speed * 1.4, speed * 0.05)
-    assert cost.yardstick[8] == 1 and cost.relative(8, 1) == pytest.approx(1.35, rel=0.01)
+    assert cost.buckets[8].yardstick == 1 and cost.relative(8, 1) == pytest.approx(1.35, rel=0.01)
     # a width measured cheaper than a narrower one: never priced below it (no negative column)
     other = StepCost()
     for k, seconds in ((3, 2.0), (3, 2.0), (0, 1.0), (0, 1.0), (1, 2.2), (1, 2.2)):
@@ -697,9 +693,9 @@ def test_step_cost_keeps_a_widths_own_price_where_it_stands_out_from_the_line():
         for k in (3, 4, 5):
             line.observe(4, k, (1.2 + 0.1 * k) * (swing if k == 4 else 1.0), 0.0)
             line.observe(4, 0, 1.0, 0.0)
-    assert line.ratio[4][4] == pytest.approx(1.6 * 1.025)   # its own median: 2.5% dear
-    assert abs(line.relative(4, 4) - 1.6) < 0.4 * abs(line.ratio[4][4] - 1.6)
+    assert line.buckets[4].ratio[4] == pytest.approx(1.6 * 1.025)   # its own median: 2.5% dear
+    assert abs(line.relative(4, 4) - 1.6) < 0.4 * abs(line.buckets[4].ratio[4] - 1.6)
     for _ in range(2):   # k = 4 runs now: the yardstick every step is measured against
         line.observe(4, 4, 1.6 * 1.025, 0.0)
-    assert line.yardstick[4] == 4 and line.ratio[4][4] > 1.61
-    assert line.relative(4, 4) == line.ratio[4][4], "the yardstick is priced as measured"
+    assert line.buckets[4].yardstick == 4 and line.buckets[4].ratio[4] > 1.61
+    assert line.relative(4, 4) == line.buckets[4].ratio[4], "the yardstick is priced as measured"

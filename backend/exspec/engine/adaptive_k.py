@@ -220,7 +220,7 @@ class AdaptiveK:
         choice = best if rates[best] > rates[current] * self.GAIN_TO_SWITCH else current
         if choice > 0 and current > 0:
             self.probe_every = self.PROBE_EVERY   # speculation pays again: probe eagerly
-        if left is not None and group.k not in self.costs.ratio.get(here, {}):
+        if left is not None and not self.costs.measured(here, group.k):
             self.probe_up[here] = not self.probe_up.get(here, False)   # it ran cold: that side again
         elif left is not None:   # a probe that left k where it was: probe half as often, up to 128
             spacing = self.probe_every_width.get(here, self.WIDTH_PROBE_EVERY)

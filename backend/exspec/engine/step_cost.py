@@ -2,6 +2,7 @@
 runs (adaptive k prices k with it; design: "EXSPEC scheduling")."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -68,15 +69,7 @@ class StepCost:
     SCATTER_PRIOR = 4   # ... worth this many measurements
 
     def __init__(self):
-        self.level: dict[int, float] = {}                # bucket -> seconds of a plain step now
-        self.ratio: dict[int, dict[int, float]] = {}     # bucket -> {k: cost in plain steps}
-        self.samples: dict[int, dict[int, list[float]]] = {}   # bucket -> {k: recent ratios}
-        self.draft: dict[int, float] = {}                # bucket -> seconds per draft forward
-        self.last_k: dict[int, int] = {}                 # bucket -> its last step's k
-        self.yardstick: dict[int, int] = {}              # bucket -> the width that sets the level
-        self.seen: dict[int, set[int]] = {}              # bucket -> widths stepped there
-        self.prices: dict[int, dict[int, float]] = {}    # bucket -> {k: relative(k)}, kept
-        self.plain_measured: set[int] = set()            # buckets whose widths are priced
+        self.buckets: dict[int, Bucket] = {}   # batch-size bucket -> what its steps measured
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -84,20 +77,26 @@ class StepCost:
 
     def nearest(self, batch: int) -> int | None:
         """The bucket whose costs stand for this batch size: its own, else the nearest measured."""
-        if not self.level:
-            return None
         here = self.bucket(batch)
-        if here in self.level:
+        if self.has(here):
             return here
-        return min(self.level, key=lambda b: abs(b.bit_length() - here.bit_length()))
+        measured = [b for b in self.buckets if self.has(b)]
+        if not measured:
+            return None
+        return min(measured, key=lambda b: abs(b.bit_length() - here.bit_length()))
 
     def has(self, bucket: int) -> bool:
-        return bucket in self.level
+        """Whether a warm step was measured at this bucket."""
+        return bucket in self.buckets and self.buckets[bucket].level is not None
+
+    def measured(self, bucket: int, k: int) -> bool:
+        """Whether a warm step at k measured its cost here."""
+        return bucket in self.buckets and k in self.buckets[bucket].ratio
 
     def donor(self, bucket: int) -> int | None:
         """The priced bucket nearest this one (ties: the larger, whose widths cost more on a
         compute-bound verifier), whose prices an unpriced bucket borrows; None if none is."""
-        priced = [b for b in self.plain_measured if b != bucket]
+        priced = [b for b, costs in self.buckets.items() if costs.priced and b != bucket]
         if not priced:
             return None
         return min(priced, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
@@ -106,14 +105,15 @@ class StepCost:
         """Whether plain steps have been measured at this bucket (so width has a price): as the
         yardstick, or PLAIN_SAMPLES times against it; for good (plain steps taken as the
         yardstick once, then left, stay measured)."""
-        return bucket in self.plain_measured
+        return bucket in self.buckets and self.buckets[bucket].priced
 
     def seconds(self, batch: int, k: int) -> float | None:
         """A step's estimated seconds at k; None before any step was measured."""
         b = self.nearest(batch)
         if b is None:
             return None
-        return self.level[b] * self.relative(b, k) + k * self.draft.get(b, 0.0)
+        costs = self.buckets[b]
+        return costs.level * self.relative(b, k) + k * (costs.draft or 0.0)
 
     def relative(self, bucket: int, k: int) -> float:
         """A step at k besides its drafts, in plain steps at this bucket: its own median shrunk
@@ -122,7 +122,7 @@ class StepCost:
         afresh at every choice, they took 60 us a step: three times the rest of adaptive k)."""
         if not self.priced(bucket):   # borrowed or averaged: cheap, and the donor may move
             return self._unpriced(bucket, k)
-        prices = self.prices.setdefault(bucket, {})
+        prices = self.buckets[bucket].prices
         if k not in prices:
             prices[k] = self._relative(bucket, k)
         return prices[k]
@@ -131,18 +131,19 @@ class StepCost:
         """Before plain decoding is measured here: the donor's prices, scaled so the running
         width costs what it was measured to cost here; with no donor, every width (plain
         included) the measured widths' mean."""
-        ratio, donor = self.ratio[bucket], self.donor(bucket)
+        costs, donor = self.buckets[bucket], self.donor(bucket)
         if donor is None:
-            speculative = [r for w, r in ratio.items() if w > 0]
+            speculative = [r for w, r in costs.ratio.items() if w > 0]
             return sum(speculative) / len(speculative)
-        running = self.yardstick[bucket]
-        return ratio[running] * self.relative(donor, k) / self.relative(donor, running)
+        running = costs.yardstick
+        return costs.ratio[running] * self.relative(donor, k) / self.relative(donor, running)
 
     def _relative(self, bucket: int, k: int) -> float:
-        ratio = self.ratio[bucket]
+        costs = self.buckets[bucket]
+        ratio = costs.ratio
         if k == 0:
             return 1.0
-        if k == self.yardstick[bucket]:   # the reference every step moves: as measured
+        if k == costs.yardstick:   # the reference every step moves: as measured
             return ratio[k]
         jump, column = self.fit(bucket)
         line = 1.0 + jump + column * k
@@ -160,16 +161,17 @@ class StepCost:
 
     def measurements(self, bucket: int, k: int) -> int:
         """How many measurements a width's price rests on: the yardstick's, the plain steps'."""
-        samples = self.samples[bucket]
-        return len(samples.get(0 if k == self.yardstick[bucket] else k, ())) or 1
+        costs = self.buckets[bucket]
+        return len(costs.samples.get(0 if k == costs.yardstick else k, ())) or 1
 
     def scatter(self, bucket: int) -> float:
         """One step's relative variance around its width's median, pooled over the bucket's
         widths, with SCATTER_PRIOR measurements' worth of SCATTER."""
+        costs = self.buckets[bucket]
         total, count = self.SCATTER_PRIOR * self.SCATTER ** 2, self.SCATTER_PRIOR
-        for w, recent in self.samples[bucket].items():
+        for w, recent in costs.samples.items():
             if len(recent) > 1:
-                total += sum((r / self.ratio[bucket][w] - 1.0) ** 2 for r in recent)
+                total += sum((r / costs.ratio[w] - 1.0) ** 2 for r in recent)
                 count += len(recent) - 1
         return total / count
 
@@ -178,7 +180,7 @@ class StepCost:
         each verified column's, both in plain steps and >= 0; least squares over the measured
         widths' ratios, each weighted by its measurements. One width measured: no jump."""
         points = [(w, r - 1.0, self.measurements(bucket, w))
-                  for w, r in self.ratio[bucket].items() if w > 0]
+                  for w, r in self.buckets[bucket].ratio.items() if w > 0]
         if not points:
             return 0.0, 0.0
         n = sum(c for _, _, c in points)
@@ -196,45 +198,55 @@ class StepCost:
 
     def observe(self, batch: int, k: int, seconds: float, draft_seconds: float) -> None:
         """A step at k (0: plain) took `seconds`, `draft_seconds` of them drafting."""
-        b = self.bucket(batch)
+        costs = self.buckets.setdefault(self.bucket(batch), Bucket())
         rest = max(seconds - draft_seconds, 1e-9)
         if k > 0:
-            _ema(self.draft, b, draft_seconds / k, self.LEVEL_EMA)
-        seen = self.seen.setdefault(b, set())
-        if k not in seen:   # a width's first step here runs cold: it teaches nothing
-            seen.add(k)
+            per_draft = draft_seconds / k
+            costs.draft = per_draft if costs.draft is None else (
+                costs.draft + self.LEVEL_EMA * (per_draft - costs.draft))
+        if k not in costs.seen:   # a width's first step here runs cold: it teaches nothing
+            costs.seen.add(k)
             return
-        if b not in self.level:   # the bucket's first warm step: the unit and the yardstick
-            self.prices.pop(b, None)
-            self.level[b], self.ratio[b], self.samples[b] = rest, {k: 1.0}, {k: [1.0]}
-            self.yardstick[b] = self.last_k[b] = k
-            if k == 0:
-                self.plain_measured.add(b)
+        if costs.level is None:   # the bucket's first warm step: the unit and the yardstick
+            # kept in the order buckets were first measured: `nearest` breaks ties by it
+            self.buckets[self.bucket(batch)] = self.buckets.pop(self.bucket(batch))
+            costs.prices.clear()
+            costs.level, costs.ratio, costs.samples = rest, {k: 1.0}, {k: [1.0]}
+            costs.yardstick = costs.last_k = k
+            costs.priced = k == 0
             return
-        ratio, samples = self.ratio[b], self.samples[b]
-        moved = k != self.yardstick[b] and k == self.last_k[b] and k in ratio
-        if moved and (k or self.priced(b)):   # not plain steps still being measured
-            self.yardstick[b] = k   # the running width moved here
-            self.prices.pop(b, None)
-        if k == self.yardstick[b]:   # the level follows the host's speed
-            self.level[b] += self.LEVEL_EMA * (rest / ratio[k] - self.level[b])
+        ratio, samples = costs.ratio, costs.samples
+        moved = k != costs.yardstick and k == costs.last_k and k in ratio
+        if moved and (k or costs.priced):   # not plain steps still being measured
+            costs.yardstick = k   # the running width moved here
+            costs.prices.clear()
+        if k == costs.yardstick:   # the level follows the host's speed
+            costs.level += self.LEVEL_EMA * (rest / ratio[k] - costs.level)
         else:   # another width: a ratio to the yardstick's level
-            self.prices.pop(b, None)
+            costs.prices.clear()
             recent = samples.setdefault(k, [])
-            recent[:] = recent[-(self.RATIO_MEMORY - 1):] + [rest / self.level[b]]
+            recent[:] = recent[-(self.RATIO_MEMORY - 1):] + [rest / costs.level]
             ratio[k] = statistics.median(recent)
             if k == 0:   # keep plain steps the unit: rescale the ratios, the level with them
                 unit = ratio[0]
                 ratio.update({w: r / unit for w, r in ratio.items()})
                 for recent in samples.values():
                     recent[:] = [r / unit for r in recent]
-                self.level[b] *= unit
-        self.last_k[b] = k
-        if self.yardstick[b] == 0 or len(samples.get(0, ())) >= self.PLAIN_SAMPLES:
-            self.plain_measured.add(b)
+                costs.level *= unit
+        costs.last_k = k
+        if costs.yardstick == 0 or len(samples.get(0, ())) >= self.PLAIN_SAMPLES:
+            costs.priced = True
 
 
-def _ema(table: dict, key, value: float, weight: float) -> None:
-    """Move table[key] toward value by `weight` (the first value sets it)."""
-    old = table.get(key)
-    table[key] = value if old is None else old + weight * (value - old)
+@dataclasses.dataclass
+class Bucket:
+    """What the steps at one batch-size bucket measured (StepCost)."""
+    seen: set[int] = dataclasses.field(default_factory=set)   # widths stepped here
+    draft: float | None = None      # seconds per draft forward (moving average)
+    level: float | None = None      # seconds of a plain step now; None before a warm step
+    yardstick: int = 0              # the width whose steps move the level
+    last_k: int = 0                 # the last step's width
+    ratio: dict[int, float] = dataclasses.field(default_factory=dict)   # {k: cost in plain steps}
+    samples: dict[int, list[float]] = dataclasses.field(default_factory=dict)   # {k: recent ratios}
+    prices: dict[int, float] = dataclasses.field(default_factory=dict)  # {k: relative(k)}, kept
+    priced: bool = False            # plain decoding measured here (for good)
