@@ -78,8 +78,8 @@ class AdaptiveK:
     PRIOR_ROWS = 2.0        # pseudo row-steps pulling a draft's hazard toward the one before it
     # a bucket first met after another was priced measures plain decoding only where, at the
     # other's prices, speculation's rate is within this factor of plain's (widths' relative
-    # prices differ between buckets by less; measured anyway, plain steps cost the demo pair's
-    # B = 8 runs 2-5%, at the 2-row bucket their last rows met)
+    # prices differ less between buckets; measured anyway, the demo pair's B = 8 runs spent
+    # four plain steps of ~25 at the 2-row bucket their last rows met, at half speculation's rate)
     MEASURE_PLAIN_WITHIN = 1.5
 
     def __init__(self, max_k: int):
@@ -116,9 +116,9 @@ class AdaptiveK:
         it borrows from (StepCost.donor)."""
         return self.costs.priced(bucket) or self.costs.donor(bucket) is not None
 
-    def neighbour_probe(self, batch: int, k: int, low: int, high: int) -> int:
+    def neighbour_probe(self, batch: int, k: int, cap: int) -> int:
         """k, or every WIDTH_PROBE_EVERY speculative steps at this bucket a neighbour of it
-        within low .. high (k + 1 and k - 1 in turn), so the widths around k stay measured."""
+        within 0 .. cap (k + 1 and k - 1 in turn), so the widths around k stay measured."""
         b = self.costs.bucket(batch)
         if k == 0 or not self.costs.priced(b):
             return k
@@ -128,7 +128,7 @@ class AdaptiveK:
         self.since_probe[b] = 0
         up = self.probe_up[b] = not self.probe_up.get(b, False)
         sides = [k + 1, k - 1] if up else [k - 1, k + 1]
-        return next((n for n in sides if low <= n <= high), k)
+        return next((n for n in sides if 0 <= n <= cap), k)
 
     def hazards(self, acceptance: float, verified=None, rejected=None) -> list[float]:
         """h_1 .. h_max_k: each depth's measured rejection share, shrunk toward the depth before."""
@@ -226,7 +226,7 @@ class AdaptiveK:
             spacing = self.probe_every_width.get(here, self.WIDTH_PROBE_EVERY)
             self.probe_every_width[here] = (min(2 * spacing, 8 * self.WIDTH_PROBE_EVERY)
                                             if choice == left else self.WIDTH_PROBE_EVERY)
-        probe = self.neighbour_probe(batch, choice, 0, cap)
+        probe = self.neighbour_probe(batch, choice, cap)
         if probe != choice:
             group.k_before_probe = choice
         return probe
