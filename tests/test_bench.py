@@ -200,7 +200,7 @@ def test_ngram_methods_on_a_shipped_prompt_set_are_exact(bench_inputs):
 
 
 def test_warm_prompts_are_served_untimed_before_each_run_to_a_proposer_that_learns(
-        bench_inputs, monkeypatch):
+        bench_inputs, monkeypatch, capsys):
     """--warm-prompts N: the set's first N prompts are the history a server served before;
     before each run (the warm-up and every repeat) suffix decoding forgets and is served them
     again, untimed, then the rest are timed and compared with the reference."""
@@ -229,6 +229,9 @@ def test_warm_prompts_are_served_untimed_before_each_run_to_a_proposer_that_lear
     assert "4 prompts (after 2 more, served untimed" in (out / "results.md").read_text()
     with pytest.raises(SystemExit, match="--warm-prompts 6 leaves no prompt"):
         main(args + ["--prompt-set", "repeated", "--warm-prompts", "6", "--out", str(out)])
+    with pytest.raises(SystemExit):
+        main(args + ["--prompt-set", "repeated", "--warm-prompts", "-1", "--out", str(out)])
+    assert "--warm-prompts must be >= 0" in capsys.readouterr().err
 
 
 def test_eagle3_methods_report_acceptance_by_position_and_the_heads_cost(bench_inputs):

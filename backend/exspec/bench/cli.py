@@ -265,6 +265,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--fixed-k: each k in 0..-k")
     if min(args.batch_sizes) < 1 or args.k < 1 or args.repeats < 1 or args.num_prompts < 1:
         ap.error("batch sizes, -k, --repeats and --num-prompts must be >= 1")
+    if args.warm_prompts < 0:
+        ap.error("--warm-prompts must be >= 0")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.seed < 0:
         ap.error("--temperature must be >= 0, --top-p in (0, 1], --seed >= 0")
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
