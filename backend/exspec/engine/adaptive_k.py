@@ -111,11 +111,6 @@ class AdaptiveK:
         """A step's estimated seconds at k (StepCost); None before any step."""
         return self.costs.seconds(batch, k)
 
-    def priceable(self, bucket: int) -> bool:
-        """Whether a bucket's widths have a price: plain decoding measured there, or at a bucket
-        it borrows from (StepCost.donor)."""
-        return self.costs.priced(bucket) or self.costs.donor(bucket) is not None
-
     def neighbour_probe(self, batch: int, k: int, cap: int) -> int:
         """k, or every WIDTH_PROBE_EVERY speculative steps at this bucket a neighbour of it
         within 0 .. cap (k + 1 and k - 1 in turn), so the widths around k stay measured."""
@@ -160,7 +155,7 @@ class AdaptiveK:
         one is verified whole (twice as rarely each time, as `choose` probes)."""
         top = max(lengths, default=0)
         bucket = self.costs.nearest(batch)
-        if top == 0 or bucket is None or not self.priceable(bucket):
+        if top == 0 or bucket is None or not self.costs.priceable(bucket):
             return top
         pooled = self.kept_hazards()
         reach = {}   # per length n: expected tokens kept of such a proposal cut to 0 .. n
@@ -198,7 +193,7 @@ class AdaptiveK:
         here = self.costs.bucket(batch)
         unpriced = self.costs.has(here) and not self.costs.priced(here)
         if per_step:   # nothing to weigh here: `width` prices each step (a cut to plain measures it)
-            return 0 if unpriced and not self.priceable(here) else cap
+            return 0 if unpriced and not self.costs.priceable(here) else cap
         acceptance = group.acceptance(self.acceptance)
         # after a neighbour probe the group weighs from the k it left
         left, group.k_before_probe = group.k_before_probe, None
@@ -213,7 +208,7 @@ class AdaptiveK:
             # re-measure acceptance now and then, more rarely each time, at the k most likely
             # to pay (at low acceptance the cheapest probe, k = 1)
             return max(range(1, cap + 1), key=rates.__getitem__)
-        if unpriced and (not self.priceable(here)
+        if unpriced and (not self.costs.priceable(here)
                          or max(rates[1:]) < self.MEASURE_PLAIN_WITHIN * rates[0]):
             return 0   # plain decoding, unmeasured at this bucket, could win: measure it
         best = max(range(cap + 1), key=rates.__getitem__)

@@ -107,6 +107,11 @@ class StepCost:
         yardstick once, then left, stay measured)."""
         return bucket in self.buckets and self.buckets[bucket].priced
 
+    def priceable(self, bucket: int) -> bool:
+        """Whether a bucket's widths have a price: plain decoding measured there, or at a bucket
+        it borrows from (`donor`)."""
+        return self.priced(bucket) or self.donor(bucket) is not None
+
     def seconds(self, batch: int, k: int) -> float | None:
         """A step's estimated seconds at k; None before any step was measured."""
         b = self.nearest(batch)
