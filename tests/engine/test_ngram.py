@@ -299,6 +299,23 @@ def test_proposals_known_before_the_step_are_verified_only_as_wide_as_pays():
     assert cheap.width(8, [3, 1] + [0] * 6) == 3
 
 
+def test_a_batch_size_met_later_prices_proposals_with_the_borrowed_prices():
+    """A lookup proposer's rows at a batch size not priced yet, once another is: `choose` gives
+    the cap (no plain steps forced) and `width` cuts as the priced bucket's prices say, scaled
+    to this bucket's running width, instead of verifying every proposal whole."""
+    from exspec.engine.group import Group
+    weak = priced_adaptive(keeping=2)   # bucket 8: a column costs half a plain step
+    for _ in range(2):   # bucket 2's first (cold) and first warm step, at k = 3
+        weak.observe(2, 3, 1.25, 0.0, [0, 0], [3, 3])
+    assert weak.costs.has(2) and not weak.costs.priced(2) and weak.costs.donor(2) == 8
+    assert weak.costs.relative(2, 1) == pytest.approx(1.5 / 2.5)   # k = 1 over k = 3, as at B = 8
+    rows = Group([], None, None)
+    rows.seqs = [None, None]
+    assert weak.choose(rows, 5, per_step=True) == 5
+    assert weak.width(2, [1, 0]) == 0, "one row proposing a token kept a quarter of the time"
+    assert AdaptiveK(5).width(2, [1, 0]) == 1, "nothing priced anywhere: proposals go whole"
+
+
 def test_a_width_cut_to_plain_is_probed_again_more_rarely_each_time():
     weak = priced_adaptive(keeping=2)
     widths = [weak.width(8, [2] + [0] * 7) for _ in range(8 + 16 + 1)]
