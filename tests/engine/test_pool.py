@@ -345,6 +345,11 @@ def test_a_bucket_met_later_measures_plain_decoding_only_where_it_could_win():
     for _ in range(1 + StepCost.PLAIN_SAMPLES):
         ak.observe(2, 0, 0.2, 0.0, [0, 0])
     assert ak.costs.priced(2) and ak.cost(2, 0) == pytest.approx(0.2, rel=0.05)
+    # a batch size between two measured ones takes the larger's costs, whichever came first
+    for _ in range(2):
+        ak.observe(32, 5, 3.0, 0.5, [5] * 32)
+    assert ak.costs.nearest(16) == 32 and ak.costs.nearest(4) == 8
+    assert ak.costs.donor(4) == 8 and ak.costs.donor(16) == 8   # 32 is not priced
     # the first bucket has no one to borrow from: it measures plain decoding whatever the rates
     first = AdaptiveK(max_k=5)
     for _ in range(2):

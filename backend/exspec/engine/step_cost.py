@@ -76,14 +76,12 @@ class StepCost:
         return 1 << (batch - 1).bit_length()   # 1, 2, 4, 8, 16, ...
 
     def nearest(self, batch: int) -> int | None:
-        """The bucket whose costs stand for this batch size: its own, else the nearest measured."""
+        """The bucket whose costs stand for this batch size: its own, else the nearest measured
+        (`_closest`: ties go to the larger)."""
         here = self.bucket(batch)
         if self.has(here):
             return here
-        measured = [b for b in self.buckets if self.has(b)]
-        if not measured:
-            return None
-        return min(measured, key=lambda b: abs(b.bit_length() - here.bit_length()))
+        return _closest(here, [b for b in self.buckets if self.has(b)])
 
     def has(self, bucket: int) -> bool:
         """Whether a warm step was measured at this bucket."""
@@ -94,12 +92,9 @@ class StepCost:
         return bucket in self.buckets and k in self.buckets[bucket].ratio
 
     def donor(self, bucket: int) -> int | None:
-        """The priced bucket nearest this one (ties: the larger, whose widths cost more on a
-        compute-bound verifier), whose prices an unpriced bucket borrows; None if none is."""
-        priced = [b for b, costs in self.buckets.items() if costs.priced and b != bucket]
-        if not priced:
-            return None
-        return min(priced, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
+        """The priced bucket nearest this one, whose prices an unpriced bucket borrows; None if
+        none is."""
+        return _closest(bucket, [b for b, costs in self.buckets.items() if costs.priced and b != bucket])
 
     def priced(self, bucket: int) -> bool:
         """Whether plain steps have been measured at this bucket (so width has a price): as the
@@ -213,8 +208,6 @@ class StepCost:
             costs.seen.add(k)
             return
         if costs.level is None:   # the bucket's first warm step: the unit and the yardstick
-            # kept in the order buckets were first measured: `nearest` breaks ties by it
-            self.buckets[self.bucket(batch)] = self.buckets.pop(self.bucket(batch))
             costs.prices.clear()
             costs.level, costs.ratio, costs.samples = rest, {k: 1.0}, {k: [1.0]}
             costs.yardstick = costs.last_k = k
@@ -241,6 +234,13 @@ class StepCost:
         costs.last_k = k
         if costs.yardstick == 0 or len(samples.get(0, ())) >= self.PLAIN_SAMPLES:
             costs.priced = True
+
+
+def _closest(bucket: int, candidates: list[int]) -> int | None:
+    """The candidate bucket nearest this one in powers of two; ties go to the larger, whose
+    widths cost more on a compute-bound verifier (so borrowed prices lean toward measuring)."""
+    return min(candidates, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b),
+               default=None)
 
 
 @dataclasses.dataclass
