@@ -238,7 +238,7 @@ class G:
     acceptance, plain steps in a row."""
     def __init__(self, n, k, acceptance, plain=0):
         self.n, self.k, self._a, self.plain_steps_in_a_row = n, k, acceptance, plain
-        self.k_before_probe = None
+        self.k_before_probe, self.plain_probe_left = None, 0
 
     def __len__(self):
         return self.n
@@ -609,6 +609,41 @@ def test_adaptive_k_measures_each_width_by_probing_its_neighbours():
     ran, probes = run(unprobed)
     assert not probes and ran[-40:] == [1] * 40, ran
     assert unprobed.costs.relative(8, 2) == pytest.approx(2.14)
+
+
+def test_adaptive_k_measures_plain_decoding_again_near_a_tie():
+    """Plain decoding measured dear in a bucket's first steps (1.3 where it costs 1.0 after:
+    cold shapes, a slow moment) priced speculation at k = 2 about 15% ahead of it, where it runs
+    at 0.88 of its rate (the real pair's draft at B = 8: a speculative step's own cost large, a
+    column small, 1.5 tokens a row at k = 2). From k = 2 the neighbour probes measure k = 1 and
+    3, never plain, so k stayed at 2 for good. Near a tie the probe below k is plain decoding,
+    PLAIN_SAMPLES plain steps each after a step at k; priced afresh, k goes to plain. Where
+    plain decoding is as dear as first measured, the probes leave k where it was."""
+    keeps = [0, 0, 0, 0, 0, 1, 1, 2]
+
+    def run(ak, dear_for_good, steps=200):
+        row, ran, probes, plain = G(8, 2, 0.7), [], [], 0
+        for _ in range(steps):
+            row._a = ak.acceptance
+            k = row.k = ak.choose(row, 5)
+            plain += k == 0
+            rest = 1.3 if k == 0 and (plain <= 4 or dear_for_good) else 1.0 if k == 0 else 1.5 + 0.05 * k
+            ak.observe(8, k, rest + 0.05 * k, 0.05 * k, [min(k, a) for a in keeps])
+            (probes if row.k_before_probe is not None else ran).append(k)
+        return ran, probes
+
+    ak = AdaptiveK(max_k=5)
+    ran, probes = run(ak, dear_for_good=False)
+    assert ran[-100:].count(0) >= 95, ran   # plain, but for speculation's rare re-probes
+    assert probes[probes.index(0):][:5] == [0, 2, 0, 2, 0], probes
+    assert ak.costs.relative(8, 2) == pytest.approx(1.6, rel=0.02)
+    never = AdaptiveK(max_k=5)
+    never.PLAIN_PROBE_WITHIN = 0.0   # the probes of before: k - 1 and k + 1 only
+    ran, probes = run(never, dear_for_good=False)
+    assert 0 not in probes and ran[-100:] == [2] * 100, ran
+    dear = AdaptiveK(max_k=5)
+    ran, probes = run(dear, dear_for_good=True)
+    assert ran[-100:] == [2] * 100 and 0 < probes.count(0) <= 2 * dear.costs.PLAIN_SAMPLES, probes
 
 
 def test_step_cost_measures_widths_as_ratios_at_the_moments_speed():

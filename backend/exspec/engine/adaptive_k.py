@@ -37,7 +37,10 @@ class AdaptiveK:
     measured, and the others are extrapolated from them: one share per column, taken from the
     first, overpriced k = 2 for the EAGLE-3 head on the real pair at B = 8 (k = 1 step 1.57
     plain steps, k = 2 step 1.63: a step's own cost 0.51, a column 0.06) and kept it at k = 1,
-    0.96 of fixed k = 2.
+    0.96 of fixed k = 2. Where speculation at k leads plain decoding by less than
+    PLAIN_PROBE_WITHIN, the probe below k is plain decoding, PLAIN_SAMPLES plain steps each
+    after a step at k (the comparison that decides whether to speculate; its price otherwise
+    rests on the bucket's first plain steps for good).
     Plain decoding is measured once per batch-size bucket, by plain steps right after the
     bucket's first speculative steps (the first of each width runs cold: StepCost), or, at a
     bucket met after another was priced, only where at the other's prices speculation is within
@@ -81,6 +84,12 @@ class AdaptiveK:
     # prices differ less between buckets; measured anyway, the demo pair's B = 8 runs spent
     # four plain steps of ~25 at the 2-row bucket their last rows met, at half speculation's rate)
     MEASURE_PLAIN_WITHIN = 1.5
+    # where speculation at k leads plain decoding by less than this, k's neighbour probe below
+    # it is a plain step: from k >= 2 the probes otherwise go to k - 1 and k + 1 only, and a
+    # plain price measured dear in a bucket's first steps (cold, short prompts, a slow moment)
+    # kept a draft speculating at 0.88 of plain decoding's rate for good (the real pair at
+    # B = 8 ran at 0.87x autoregressive once). Near a tie a plain step costs little.
+    PLAIN_PROBE_WITHIN = 1.25
 
     def __init__(self, max_k: int):
         self.max_k = max_k
@@ -111,9 +120,11 @@ class AdaptiveK:
         """A step's estimated seconds at k (StepCost); None before any step."""
         return self.costs.seconds(batch, k)
 
-    def neighbour_probe(self, batch: int, k: int, cap: int) -> int:
+    def neighbour_probe(self, batch: int, k: int, cap: int, near_plain: bool = False) -> int:
         """k, or every WIDTH_PROBE_EVERY speculative steps at this bucket a neighbour of it
-        within 0 .. cap (k + 1 and k - 1 in turn), so the widths around k stay measured."""
+        within 0 .. cap (k + 1 and k - 1 in turn), so the widths around k stay measured.
+        `near_plain`: speculation at k leads plain decoding by less than PLAIN_PROBE_WITHIN, so
+        the step below k is a plain one (plain decoding is the width that decides)."""
         b = self.costs.bucket(batch)
         if k == 0 or not self.costs.priced(b):
             return k
@@ -122,7 +133,8 @@ class AdaptiveK:
             return k
         self.since_probe[b] = 0
         up = self.probe_up[b] = not self.probe_up.get(b, False)
-        sides = [k + 1, k - 1] if up else [k - 1, k + 1]
+        below = 0 if near_plain else k - 1
+        sides = [k + 1, below] if up else [below, k + 1]
         return next((n for n in sides if 0 <= n <= cap), k)
 
     def hazards(self, acceptance: float, verified=None, rejected=None) -> list[float]:
@@ -197,6 +209,15 @@ class AdaptiveK:
         acceptance = group.acceptance(self.acceptance)
         # after a neighbour probe the group weighs from the k it left
         left, group.k_before_probe = group.k_before_probe, None
+        if group.plain_probe_left and left is not None:
+            # a plain probe near a tie measures PLAIN_SAMPLES plain steps (one moves no median),
+            # each after a step at k: two plain steps in a row would make plain decoding the
+            # yardstick, and its price would not be measured (StepCost)
+            group.k_before_probe = left
+            if group.k == 0:
+                return min(left, cap)
+            group.plain_probe_left -= 1
+            return 0
         current = min(left if left is not None else group.k if group.k is not None else cap, cap)
         tokens = self.tokens_by_k(acceptance)
         costs = [self.cost(batch, k) for k in range(cap + 1)]
@@ -221,9 +242,12 @@ class AdaptiveK:
             spacing = self.probe_every_width.get(here, self.WIDTH_PROBE_EVERY)
             self.probe_every_width[here] = (min(2 * spacing, 8 * self.WIDTH_PROBE_EVERY)
                                             if choice == left else self.WIDTH_PROBE_EVERY)
-        probe = self.neighbour_probe(batch, choice, cap)
+        near_plain = choice > 0 and rates[choice] < self.PLAIN_PROBE_WITHIN * rates[0]
+        probe = self.neighbour_probe(batch, choice, cap, near_plain)
         if probe != choice:
             group.k_before_probe = choice
+        if probe == 0 and near_plain:
+            group.plain_probe_left = self.costs.PLAIN_SAMPLES - 1
         return probe
 
     def observe(self, batch: int, k: int, seconds: float, draft_seconds: float,

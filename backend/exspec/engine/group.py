@@ -32,6 +32,7 @@ class Group:
         self.steps = 0   # steps taken with these batched caches (a merge starts a new group)
         self.k: int | None = None        # the k of its last step (adaptive k's hysteresis)
         self.k_before_probe: int | None = None   # the k a neighbour probe left (adaptive_k.py)
+        self.plain_probe_left = 0   # plain steps a probe near a tie still measures (adaptive_k.py)
         self.plain_steps_in_a_row = 0
 
     def __len__(self) -> int:
