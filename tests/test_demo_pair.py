@@ -107,3 +107,14 @@ def test_committed_demo_pair():
     assert _total_bytes(DEMO) <= MAX_BYTES
     assert not metrics["tiny"]
     assert metrics["cost"]["ratio_decode"] <= 1 / 8 and metrics["cost"]["ratio_prefill"] <= 1 / 8
+
+
+def test_the_engine_demo_runs_side_by_side_on_the_demo_pair(capsys):
+    """`make demo`'s first command (`python -m exspec.demo.engine`), on the committed demo pair:
+    both engines run the prompts tick by tick through the benchmark's `run_interleaved`, every
+    output equals target-only greedy, and the speed-up line is printed."""
+    from exspec.demo import engine as demo_engine
+    rc = demo_engine.main(["--num-prompts", "2", "--max-tokens", "8", "-k", "2", "--batch-size", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "2/2 outputs identical to target-only greedy" in out and "speed-up" in out, out

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import EngineConfig, LLMEngine, SamplingParams
-from ..bench.methods import run_interleaved, stats_delta
+from ..bench.methods import Method, run_interleaved, stats_delta
 from ..models.loading import load_pair
 
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
@@ -75,10 +75,10 @@ def _engines(pair: Path, method: str, k: int, batch: int,
     return engines
 
 
-class _Workload:
+class _Workload(Method):
     """One engine's generate of the prompts, a tick at a time: `run_interleaved` times two of
     them tick by tick (A B A B), so both meet the same moments of the host, as the demo's served
-    part alternates its requests."""
+    part alternates its requests. A bench Method, so it has what run_interleaved calls."""
     device = "cpu"
 
     def __init__(self, engine: LLMEngine, params: SamplingParams):
