@@ -145,7 +145,9 @@ class StepCost:
             return 1.0
         if k == costs.yardstick:   # the reference every step moves: as measured
             return ratio[k]
-        jump, column = self.fit(bucket)
+        if costs.line is None:   # one fit per repricing, not one per width
+            costs.line = self.fit(bucket)
+        jump, column = costs.line
         line = 1.0 + jump + column * k
         if k not in ratio:   # the cheaper of the fit and the measured widths on either side
             below = max(w for w in ratio if w < k)
@@ -155,7 +157,9 @@ class StepCost:
             low, high = self.relative(bucket, below), self.relative(bucket, above)
             return min(line, low + (high - low) * (k - below) / (above - below))
         apart = (ratio[k] - line) ** 2
-        noise = (math.pi / 2) * self.scatter(bucket) * ratio[k] ** 2 / self.measurements(bucket, k)
+        if costs.spread is None:
+            costs.spread = self.scatter(bucket)
+        noise = (math.pi / 2) * costs.spread * ratio[k] ** 2 / self.measurements(bucket, k)
         kept = max(0.0, 1.0 - noise / apart) if apart > 0.0 else 0.0
         return line + kept * (ratio[k] - line)
 
@@ -208,7 +212,7 @@ class StepCost:
             costs.seen.add(k)
             return
         if costs.level is None:   # the bucket's first warm step: the unit and the yardstick
-            costs.prices.clear()
+            costs.reprice()
             costs.level, costs.ratio, costs.samples = rest, {k: 1.0}, {k: [1.0]}
             costs.yardstick = costs.last_k = k
             costs.priced = k == 0
@@ -217,11 +221,11 @@ class StepCost:
         moved = k != costs.yardstick and k == costs.last_k and k in ratio
         if moved and (k or costs.priced):   # not plain steps still being measured
             costs.yardstick = k   # the running width moved here
-            costs.prices.clear()
+            costs.reprice()
         if k == costs.yardstick:   # the level follows the host's speed
             costs.level += self.LEVEL_EMA * (rest / ratio[k] - costs.level)
         else:   # another width: a ratio to the yardstick's level
-            costs.prices.clear()
+            costs.reprice()
             recent = samples.setdefault(k, [])
             recent[:] = recent[-(self.RATIO_MEMORY - 1):] + [rest / costs.level]
             ratio[k] = statistics.median(recent)
@@ -255,3 +259,10 @@ class Bucket:
     samples: dict[int, list[float]] = dataclasses.field(default_factory=dict)   # {k: recent ratios}
     prices: dict[int, float] = dataclasses.field(default_factory=dict)  # {k: relative(k)}, kept
     priced: bool = False            # plain decoding measured here (for good)
+    line: tuple[float, float] | None = None   # fit(), kept with the prices
+    spread: float | None = None               # scatter(), kept with the prices
+
+    def reprice(self) -> None:
+        """A measurement changed the ratios: every kept price (and the fit under it) goes."""
+        self.prices.clear()
+        self.line = self.spread = None
