@@ -21,9 +21,26 @@ from exspec.engine.scheduler import Scheduler
 from enginekit import make_engine, make_prompts, run_schedule
 
 
+@pytest.mark.parametrize("plain_probes", [False, True])
 @pytest.mark.parametrize("method", ["exspec", "eqspec"])
-def test_random_arrivals_and_aborts(pairs, reference, monkeypatch, method):
+def test_random_arrivals_and_aborts(pairs, reference, monkeypatch, method, plain_probes):
+    """`plain_probes`: speculation is taken to pay (the noisy draft costs what the target does,
+    so adaptive k would mostly decode plainly here) yet to be near a tie, and neighbour probes
+    come every other step, so plain probes (a plain step, then one at k, the draft catching
+    up) interleave with arrivals, aborts and changing groups: the outputs stay exact."""
     live = weakref.WeakSet()
+    probed = []
+    if plain_probes:
+        monkeypatch.setattr(AdaptiveK, "PLAIN_PROBE_WITHIN", float("inf"))
+        monkeypatch.setattr(AdaptiveK, "WIDTH_PROBE_EVERY", 2)
+        monkeypatch.setattr(AdaptiveK, "tokens_by_k", lambda self, a: [1.0 + 10 * k for k in range(self.max_k + 1)])
+        choose = AdaptiveK.choose
+
+        def counted(self, group, cap, per_step=False):
+            k = choose(self, group, cap, per_step)
+            probed.append(k == 0 and group.k_before_probe is not None)
+            return k
+        monkeypatch.setattr(AdaptiveK, "choose", counted)
     for layout in (kv_blocks.BlockKV, kv_module.PaddedKV):
         original = layout.__init__
 
@@ -62,6 +79,8 @@ def test_random_arrivals_and_aborts(pairs, reference, monkeypatch, method):
     assert (stats["pool_seqs"], stats["pool_kv_tokens"], stats["queue_len"]) == (0, 0, 0)
     gc.collect()
     assert len(live) == 0, f"{len(live)} cache objects still alive after the pool emptied"
+    if plain_probes:
+        assert sum(probed) >= 5, f"{sum(probed)} plain probe steps of {len(probed)}"
 
 
 def test_the_first_token_goes_out_alone_before_the_ticks_step(pairs, reference):
