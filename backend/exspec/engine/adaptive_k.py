@@ -120,7 +120,7 @@ class AdaptiveK:
         """A step's estimated seconds at k (StepCost); None before any step."""
         return self.costs.seconds(batch, k)
 
-    def neighbour_probe(self, batch: int, k: int, cap: int, near_plain: bool = False) -> int:
+    def neighbour_probe(self, batch: int, k: int, cap: int, near_plain: bool) -> int:
         """k, or every WIDTH_PROBE_EVERY speculative steps at this bucket a neighbour of it
         within 0 .. cap (k + 1 and k - 1 in turn), so the widths around k stay measured.
         `near_plain`: speculation at k leads plain decoding by less than PLAIN_PROBE_WITHIN, so
