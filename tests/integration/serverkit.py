@@ -8,7 +8,7 @@ and the repository's own config files, and serves three models from one server:
 - scripted       a Llama pair whose greedy output is a fixed multi-lingual string (CJK, emoji
                  and " STOP here" split across byte-level tokens), for the streaming-text tests;
 - small          a GPT-2 pair (learned absolute positions), method eqspec, with a one-slot
-                 pool and queue, for the busy and per-request-k tests;
+                 pool and queue and slowed ticks, for the busy test;
 - tokenwise      the exspec pair again, streaming one response per token and publishing
                  the vLLM backend's vllm: metric families (REPORT_CUSTOM_METRICS), for the
                  drop-in tests;
@@ -48,7 +48,7 @@ MODELS = {
                  "max_batch_size": 4, "max_num_seqs": 8, "default_max_tokens": 40},
     "small": {"method": "eqspec", "num_speculative_tokens": 3, "max_batch_size": 1,
               "max_num_seqs": 1, "max_queue_len": 1, "default_max_tokens": 8,
-              "max_output_tokens": 200},
+              "max_output_tokens": 200, "fault_injection": {"tick_delay_s": 0.05}},
 }
 
 # Triton's vLLM backend's sample model.json (its README), keys exspec spells otherwise included.
@@ -179,3 +179,17 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def fill_pool_and_queue(server, model: str, pool, send, slots: int, queue: int) -> list:
+    """Runs send(i) on the executor `pool` until `model` runs `slots` sequences and holds `queue`
+    requests waiting, and returns their futures. In two waves, seen in the metrics: requests
+    not yet admitted count against the queue. The sends must hold for seconds (slowed ticks)."""
+    gauge = lambda name: scrape(server, name, model=model)   # noqa: E731
+    calls = [pool.submit(send, i) for i in range(slots)]
+    wait_for(lambda: gauge("exspec:num_requests_running") == slots, timeout_s=30,
+             what=f"{model}'s pool to fill")
+    calls += [pool.submit(send, slots + i) for i in range(queue)]
+    wait_for(lambda: gauge("exspec:num_requests_waiting") == queue, timeout_s=30,
+             what=f"{model}'s queue to fill")
+    return calls

@@ -5,7 +5,7 @@ import concurrent.futures as cf
 from pathlib import Path
 
 from clients import first_response_then_cancel, grpc_inputs, grpc_one, grpc_stream
-from serverkit import scrape, wait_for
+from serverkit import fill_pool_and_queue, scrape, wait_for
 
 DESIGN_METRICS = [
     "exspec:requests_total", "exspec:prompt_tokens_total", "exspec:generation_tokens_total",
@@ -65,21 +65,21 @@ def test_http_client_disconnect_cancels_the_request(server):
 
 
 def test_full_queue_refuses_with_busy_and_serves_the_rest(server):
-    # "small" holds one sequence and queues one more; five at once overflow it.
-    # One stream per request: a gRPC stream's error responses carry no request id.
+    # "small" holds one sequence and queues one more; once both are full, three more are
+    # refused. One stream per request: a gRPC stream's error responses carry no request id.
+    hold = {"max_tokens": 60, "ignore_eos": True, "num_speculative_tokens": 0}   # 60 slow ticks
+    send = lambda i: grpc_one(server.urls["grpc"], "small", prompt=f"hello {i}",   # noqa: E731
+                              sampling=hold)
     with cf.ThreadPoolExecutor(5) as pool:
-        calls = list(pool.map(lambda i: grpc_one(
-            server.urls["grpc"], "small", prompt=f"hello {i}",
-            sampling={"max_tokens": 120, "ignore_eos": True}), range(5)))
-    busy = [c for c in calls if c.responses[-1].error]
-    served = [c for c in calls if not c.responses[-1].error]
-    assert busy, "no request was refused although the pool and the queue were full"
+        held = fill_pool_and_queue(server, "small", pool, send, slots=1, queue=1)
+        busy = list(pool.map(send, range(2, 5)))
+        served = [call.result() for call in held]
     for c in busy:
         assert len(c.responses) == 1 and c.responses[0].final
-        assert "busy" in c.responses[0].error, c.responses[0].error
-    assert served, "every request was refused: the pool and the queue serve none"
+        assert "busy" in (c.responses[0].error or ""), c.responses
     for c in served:
-        assert len(c.ids()) == 120 and sum(r.final for r in c.responses) == 1
+        assert not c.responses[-1].error and len(c.ids()) == 60, c.responses[-1]
+        assert sum(r.final for r in c.responses) == 1
 
 
 def test_exactly_one_final_response_per_request_under_concurrency(server):

@@ -1,13 +1,15 @@
 """One real tritonserver for the reliability suite, started through the launcher on free ports.
 
-Its repository serves one tiny seeded Llama pair (exspec.demo.tiny) under four model.json settings,
+Its repository serves one tiny seeded Llama pair (exspec.demo.tiny) under six model.json settings,
 each its own stub process, so a fault in one model leaves the others alone:
 
 - limits     small, explicit limits (prompt tokens, max_tokens, pool, queue): the limit tests,
              the fuzz test, and the fault-free reference for the fault tests;
+- busy       the same limits with slowed ticks (fault_injection.tick_delay_s): the busy test;
 - faulty     fault_injection.forward_error_every and forward_oom_every: every N-th model forward
              raises RuntimeError, every M-th torch.OutOfMemoryError;
-- culprit    fault_injection.row_error_token: a step holding a request whose prompt has "~" raises;
+- culprit    fault_injection.row_error_token: a step holding a request whose prompt has "~" raises
+             (ticks slowed, so a request can be seen running before the culprit joins it);
 - crash      fault_injection.crash_after_ticks: the engine thread dies on its N-th tick;
 - slow       fault_injection.tick_delay_s above tick_timeout_s: the adapter's watchdog fires.
 
@@ -47,7 +49,7 @@ def _load(name: str, path: Path):
 # tests/integration is not on this suite's import path.
 _it = _load("exspec_integration_helpers", REPO / "tests" / "integration" / "serverkit.py")
 clients = _load("exspec_integration_clients", REPO / "tests" / "integration" / "clients.py")
-scrape, wait_for = _it.scrape, _it.wait_for
+scrape, wait_for, fill_pool_and_queue = _it.scrape, _it.wait_for, _it.fill_pool_and_queue
 
 LIMITS = {"max_prompt_tokens": 48, "max_output_tokens": 64, "default_max_tokens": 8,
           "max_batch_size": 2, "max_num_seqs": 2, "max_queue_len": 2, "max_request_bytes": 65536}
@@ -56,8 +58,11 @@ _SPEC = {"method": "exspec", "num_speculative_tokens": 4, "max_batch_size": 2, "
 CULPRIT_TOKEN = 94   # "~" in the toy tokenizer: a request holding it raises in every step
 MODELS = {
     "limits": {"method": "exspec", "num_speculative_tokens": 4, **LIMITS},
+    # the same limits with slowed ticks: requests hold the pool long enough to be seen full
+    "busy": {"method": "exspec", "num_speculative_tokens": 4, **LIMITS,
+             "fault_injection": {"tick_delay_s": 0.05}},
     "faulty": {**_SPEC, "fault_injection": {"forward_error_every": 150, "forward_oom_every": 230}},
-    "culprit": {**_SPEC, "fault_injection": {"row_error_token": CULPRIT_TOKEN}},
+    "culprit": {**_SPEC, "fault_injection": {"row_error_token": CULPRIT_TOKEN, "tick_delay_s": 0.05}},
     "crash": {**_SPEC, "fault_injection": {"crash_after_ticks": 6}},
     "slow": {**_SPEC, "tick_timeout_s": 0.5, "fault_injection": {"tick_delay_s": 2.5}},
 }

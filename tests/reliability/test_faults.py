@@ -88,24 +88,32 @@ def test_failing_forward_fails_at_most_a_lone_row_and_the_engine_carries_on(rel_
 
 def test_a_request_that_raises_fails_alone_and_its_batch_is_served_exactly(rel_server, reference):
     """A bug only one request triggers (fault injection: every step holding a prompt with "~"
-    raises as it reaches that row's commit): it ends with the error every time, and each request
-    batched with it is prefilled again, stepped alone once, and served exactly."""
+    raises as it reaches that row's commit): it ends with the error every time, and the request
+    batched with it is prefilled again, stepped alone once, and served exactly.
+
+    Batched for certain, whatever the machine's load: a partner runs (one token a slowed tick)
+    before the culprit arrives, and groups of one are stepped together (max_batch_size 2)."""
     model, culprit = "culprit", "Culprit: ~~~"
-    calls = [c for _ in range(2) for c in concurrently(rel_server, model, PROMPTS + [culprit])]
-    for i, call in enumerate(calls):
-        prompt = (PROMPTS + [culprit])[i % (len(PROMPTS) + 1)]
-        assert_one_final(call, f"{model} request {i} ({prompt!r})")
-        last = call.responses[-1]
-        if prompt == culprit:
-            assert last.error and "injected fault: exception on a row" in last.error, last
-        else:
-            assert not last.error and call.ids() == reference[prompt], (
-                f"request {i} ({prompt!r}) beside the failing one: {last.error or call.ids()}")
-    isolated = scrape(rel_server, "exspec:isolated_rows_total", model=model)
-    assert isolated >= 1, "the failing request never shared a step: nothing was isolated"
-    assert scrape(rel_server, "exspec:requests_total", model=model, outcome="error") == 2
-    print(f"\n{model}: 2 failing requests among {len(calls)}: {isolated:.0f} rows re-prefilled, "
-          f"every other request exact")
+    count = lambda name, **labels: scrape(rel_server, name, model=model, **labels)  # noqa: E731
+    slow = {**SAMPLING, "num_speculative_tokens": 0}
+    for partner in PROMPTS[:2]:
+        isolated = count("exspec:isolated_rows_total")
+        with cf.ThreadPoolExecutor(2) as pool:
+            held = pool.submit(one, rel_server, model, partner, sampling=slow)
+            wait_for(lambda: count("exspec:num_requests_running") == 1, timeout_s=30,
+                     what="the partner to run")
+            bad = one(rel_server, model, culprit)
+            good = held.result()
+        for call, prompt in [(good, partner), (bad, culprit)]:
+            assert_one_final(call, f"{model} request {prompt!r}")
+        assert bad.responses[-1].error and "injected fault: exception on a row" in bad.responses[-1].error, bad
+        assert not good.responses[-1].error and good.ids() == reference[partner], (
+            f"{partner!r} beside the failing request: {good.responses[-1].error or good.ids()}")
+        assert count("exspec:isolated_rows_total") > isolated, (
+            "the failing request shared a step, yet no row was prefilled again on its own")
+    assert count("exspec:requests_total", outcome="error") == 2
+    print(f"\n{model}: 2 failing requests, each beside a running one: "
+          f"{count('exspec:isolated_rows_total'):.0f} rows re-prefilled, the others exact")
 
 
 def test_engine_thread_death_ends_in_flight_and_new_requests_with_unavailable(rel_server, reference):

@@ -7,11 +7,11 @@ import concurrent.futures as cf
 
 import pytest
 
-from reliabilitykit import LIMITS, clients, ready
+from reliabilitykit import LIMITS, clients, fill_pool_and_queue, ready
 
 
-def one(server, **request):
-    return clients.grpc_stream(server.urls["grpc"], "limits", [request], timeout_s=60)[0]
+def one(server, model="limits", **request):
+    return clients.grpc_stream(server.urls["grpc"], model, [request], timeout_s=60)[0]
 
 
 def error_of(call) -> str | None:
@@ -48,18 +48,23 @@ def test_max_tokens_over_max_output_tokens_is_refused(rel_server):
 
 
 def test_full_pool_and_queue_refuse_with_busy_retry(rel_server):
-    n = 3 * (LIMITS["max_num_seqs"] + LIMITS["max_queue_len"])
-    with cf.ThreadPoolExecutor(n) as pool:
-        calls = list(pool.map(lambda i: one(rel_server, prompt=f"hello {i}", sampling={
-            "max_tokens": 48, "ignore_eos": True}), range(n)))
-    errors = [error_of(c) for c in calls]
-    busy = [e for e in errors if e]
-    assert busy, "nothing was refused although the pool and the queue were full"
-    for e in busy:
-        assert "server busy" in e and "retry later" in e, e
-    assert len(busy) < n, "everything was refused"
+    # Holders fill the pool and then the queue of `busy` (the limits model with slowed ticks).
+    # Each asks for max_output_tokens one token a tick (no speculation), so they hold for
+    # seconds: the request sent once the metrics show both full is refused whatever the
+    # machine's load (a burst of requests could drain through the fast tiny pair unrefused).
+    slots, queue = LIMITS["max_num_seqs"], LIMITS["max_queue_len"]
+    hold = {"max_tokens": LIMITS["max_output_tokens"], "ignore_eos": True,
+            "num_speculative_tokens": 0}
+    send = lambda i: one(rel_server, "busy", prompt=f"hold {i}", sampling=hold)   # noqa: E731
+    with cf.ThreadPoolExecutor(slots + queue) as pool:
+        holders = fill_pool_and_queue(rel_server, "busy", pool, send, slots, queue)
+        err = error_of(one(rel_server, "busy", prompt="one too many", sampling={"max_tokens": 4}))
+        assert err and "server busy" in err and "retry later" in err, err
+        held = [h.result() for h in holders]
+    for call in held:   # the refusal cost the holders nothing
+        assert error_of(call) is None and len(call.ids()) == LIMITS["max_output_tokens"], call
     # Once the pool drains, a retry is served.
-    assert error_of(one(rel_server, prompt="hello", sampling={"max_tokens": 4})) is None
+    assert error_of(one(rel_server, "busy", prompt="hello", sampling={"max_tokens": 4})) is None
 
 
 @pytest.mark.parametrize("sampling,needle", [
