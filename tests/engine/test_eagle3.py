@@ -5,6 +5,7 @@ layers hands the head the true layer inputs; checkpoints load in vLLM's layout v
 head made for another target is refused with both sides named."""
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -15,6 +16,7 @@ from transformers import DynamicCache
 
 from exspec import EngineConfig, LLMEngine, SamplingParams
 from exspec.demo.tiny import build_tokenizer, llama
+from exspec.engine.adaptive_k import AdaptiveK
 from exspec.errors import ModelLoadError
 from exspec.models import compiled
 from exspec.models.compiled import CompiledForward
@@ -122,6 +124,10 @@ def test_every_first_draft_is_the_offline_one_through_arrivals_plain_steps_and_r
     Every step's first draft of every row must still be the head's offline prediction at that
     row's pending token: a feature buffer that lost, doubled or shifted a position would not."""
     monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    # adaptive k's choices from a fixed cycle, not from this machine's step costs (on a CPU
+    # where widths cost more it ran plain nearly throughout): every width, plain steps between
+    cycle = itertools.cycle([3, 0, 1, 0, 0, 2, 3, 1])
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap, per_step=False: min(next(cycle), cap))
     root, _, head_dir, prompts = deep
     engine = LLMEngine(EngineConfig(target_model=str(root / "target"), draft_model=head_dir,
                                     proposer="eagle3", method=method, num_speculative_tokens=3,
@@ -151,9 +157,7 @@ def test_every_first_draft_is_the_offline_one_through_arrivals_plain_steps_and_r
     drafts = {f"r{i}": first_drafts(engine.target, head, p + outputs[f"r{i}"])
               for i, p in enumerate(prompts)}
     wrong = [(rid, n, got, drafts[rid][n - 1]) for rid, n, got in seen if drafts[rid][n - 1] != got]
-    # > 60: adaptive k prices this pair's compiled steps by width and runs plain more of the
-    # time (76 checked drafts there, 100+ eager)
-    assert len(seen) > 60 and not wrong, wrong[:5]
+    assert len(seen) > 100 and not wrong, wrong[:5]
 
 
 def test_a_compiled_region_of_several_layers_hands_on_the_true_layer_inputs(deep, monkeypatch):
