@@ -665,6 +665,30 @@ def test_adaptive_k_measures_plain_decoding_again_near_a_tie():
     assert ran[-100:] == [2] * 100 and 0 < probes.count(0) <= 2 * dear.costs.PLAIN_SAMPLES, probes
 
 
+def test_adaptive_k_probes_speculation_steadily_near_a_tie():
+    """A stretch of poor drafts sends a group to plain decoding where k = 1, in truth, leads it
+    by 8% (the EAGLE-3 head on the real pair at B = 8 on an AMD EPYC: a k = 1 step 1.33 plain
+    steps, 1.44 tokens a row). Each probe measures acceptance a little; where each doubled the
+    wait (8, 16, 32, 64 plain steps), the group decoded plainly for 113 steps. Near a tie the
+    probes come every PROBE_EVERY plain steps and k = 1 returns after a few; far from one (the
+    test above) they still grow rarer."""
+    keeps = [1, 1, 1, 1, 0, 0, 0, 0, 0]   # 4 of 9 rows keep draft 1
+    ak, group, ran = AdaptiveK(max_k=4), G(9, None, 0.0), []
+    for step in range(300):
+        group._a = ak.acceptance
+        k = group.k = ak.choose(group, 1)
+        group.plain_steps_in_a_row = group.plain_steps_in_a_row + 1 if k == 0 else 0
+        poor = 60 <= step < 75
+        ak.observe(9, k, 1.0 + 0.33 * k, 0.03 * k, [0] * 9 if poor else [min(k, a) for a in keeps])
+        ran.append(k)
+    after = "".join(map(str, ran[75:]))
+    assert after.startswith("0"), after   # the stretch sent it to plain decoding
+    plain = after[:after.index("1" * 20)]   # until k = 1 runs for good
+    assert plain.count("0") <= 5 * AdaptiveK.PROBE_EVERY, after
+    assert all(len(run) <= AdaptiveK.PROBE_EVERY for run in plain.split("1")), after
+    assert ran[-100:].count(0) <= 10, ran   # but for the near-tie plain probes
+
+
 def test_step_cost_measures_widths_as_ratios_at_the_moments_speed():
     """StepCost: a width's price is its step time over the level the yardstick's steps set. The
     host slowing by a quarter while one width runs moves the level, not the prices; plain

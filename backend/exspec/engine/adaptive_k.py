@@ -53,7 +53,8 @@ class AdaptiveK:
     CPU at 0.91x autoregressive (an optimism bonus of 1.3 on that
     guess still lost to 1.66 tokens per step). Speculation is probed again after
     PROBE_EVERY plain steps, at the k most likely to pay, and twice as rarely each time a probe
-    leads back to plain decoding.
+    leads back to plain decoding where speculation is priced below 1 / PLAIN_PROBE_WITHIN of
+    plain decoding's rate (nearer a tie every PROBE_EVERY plain steps).
     Where proposals are known before the step (a lookup proposer: rows propose different
     lengths, many none), k is only each row's cap and `width` prices the step's actual
     proposals instead: the verified width that commits the most tokens per second, each row's
@@ -88,7 +89,8 @@ class AdaptiveK:
     # it is a plain step: from k >= 2 the probes otherwise go to k - 1 and k + 1 only, and a
     # plain price measured dear in a bucket's first steps (cold, short prompts, a slow moment)
     # kept a draft speculating at 0.88 of plain decoding's rate for good (the real pair at
-    # B = 8 ran at 0.87x autoregressive once). Near a tie a plain step costs little.
+    # B = 8 ran at 0.87x autoregressive once). Near a tie a plain step costs little. The
+    # same margin keeps speculation's probes from plain decoding at PROBE_EVERY near a tie.
     PLAIN_PROBE_WITHIN = 1.25
 
     def __init__(self, max_k: int):
@@ -225,10 +227,15 @@ class AdaptiveK:
             return current   # nothing measured yet: the first step tells
         rates = [batch * tokens[k] / costs[k] for k in range(cap + 1)]
         if current == 0 and group.plain_steps_in_a_row >= self.probe_every:
-            self.probe_every = min(2 * self.probe_every, 256)
-            # re-measure acceptance now and then, more rarely each time, at the k most likely
-            # to pay (at low acceptance the cheapest probe, k = 1)
-            return max(range(1, cap + 1), key=rates.__getitem__)
+            # re-measure acceptance now and then at the k most likely to pay (at low acceptance
+            # the cheapest probe, k = 1): more rarely each time where speculation is priced far
+            # below plain decoding, every PROBE_EVERY plain steps near a tie, where one probe
+            # moves acceptance little: with the wait doubling, 15 poor steps kept a group plain
+            # for 113 steps where k = 1 leads by 8% (test_pool.py)
+            probe = max(range(1, cap + 1), key=rates.__getitem__)
+            far = rates[probe] * self.PLAIN_PROBE_WITHIN < rates[0]
+            self.probe_every = min(2 * self.probe_every, 256) if far else self.PROBE_EVERY
+            return probe
         if unpriced and (not self.costs.priceable(here)
                          or max(rates[1:]) < self.MEASURE_PLAIN_WITHIN * rates[0]):
             return 0   # plain decoding, unmeasured at this bucket, could win: measure it
