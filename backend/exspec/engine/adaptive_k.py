@@ -53,7 +53,7 @@ class AdaptiveK:
     CPU at 0.91x autoregressive (an optimism bonus of 1.3 on that
     guess still lost to 1.66 tokens per step). Speculation is probed again after
     PROBE_EVERY plain steps, at the k most likely to pay, and twice as rarely each time a probe
-    leads back to plain decoding where speculation is priced below 1 / PLAIN_PROBE_WITHIN of
+    leads back to plain decoding where speculation is priced below 1 / SPEC_PROBE_WITHIN of
     plain decoding's rate (nearer a tie every PROBE_EVERY plain steps).
     Where proposals are known before the step (a lookup proposer: rows propose different
     lengths, many none), k is only each row's cap and `width` prices the step's actual
@@ -89,9 +89,12 @@ class AdaptiveK:
     # it is a plain step: from k >= 2 the probes otherwise go to k - 1 and k + 1 only, and a
     # plain price measured dear in a bucket's first steps (cold, short prompts, a slow moment)
     # kept a draft speculating at 0.88 of plain decoding's rate for good (the real pair at
-    # B = 8 ran at 0.87x autoregressive once). Near a tie a plain step costs little. The
-    # same margin keeps speculation's probes from plain decoding at PROBE_EVERY near a tie.
+    # B = 8 ran at 0.87x autoregressive once). Near a tie a plain step costs little.
     PLAIN_PROBE_WITHIN = 1.25
+    # where speculation's rate is priced within this factor below plain decoding's, its probes
+    # from plain decoding stay every PROBE_EVERY steps (not ever rarer): 1.25 cost a draft
+    # running at 0.85 of plain decoding's rate 2% in probes
+    SPEC_PROBE_WITHIN = 1.1
 
     def __init__(self, max_k: int):
         self.max_k = max_k
@@ -233,7 +236,7 @@ class AdaptiveK:
             # moves acceptance little: with the wait doubling, 15 poor steps kept a group plain
             # for 113 steps where k = 1 leads by 8% (test_pool.py)
             probe = max(range(1, cap + 1), key=rates.__getitem__)
-            far = rates[probe] * self.PLAIN_PROBE_WITHIN < rates[0]
+            far = rates[probe] * self.SPEC_PROBE_WITHIN < rates[0]
             self.probe_every = min(2 * self.probe_every, 256) if far else self.PROBE_EVERY
             return probe
         if unpriced and (not self.costs.priceable(here)
