@@ -234,7 +234,7 @@ class AdaptiveK:
             # the cheapest probe, k = 1): more rarely each time where speculation is priced far
             # below plain decoding, every PROBE_EVERY plain steps near a tie, where one probe
             # moves acceptance little: with the wait doubling, 15 poor steps kept a group plain
-            # for 113 steps where k = 1 leads by 8% (test_pool.py)
+            # for 110 steps where k = 1 leads by 8% (test_pool.py)
             probe = max(range(1, cap + 1), key=rates.__getitem__)
             far = rates[probe] * self.SPEC_PROBE_WITHIN < rates[0]
             self.probe_every = min(2 * self.probe_every, 256) if far else self.PROBE_EVERY
