@@ -673,30 +673,29 @@ def test_adaptive_k_probes_speculation_steadily_near_a_tie():
     probes come every PROBE_EVERY plain steps and k = 1 returns after a few; far from one (a
     draft at 0.83 of plain decoding's rate: within 1.25 of it, probes cost it 2%) they still
     grow rarer."""
-    keeps = [1, 1, 1, 1, 0, 0, 0, 0, 0]   # 4 of 9 rows keep draft 1
-    ak, group, ran = AdaptiveK(max_k=4), G(9, None, 0.0), []
-    for step in range(300):
-        group._a = ak.acceptance
-        k = group.k = ak.choose(group, 1)
-        group.plain_steps_in_a_row = group.plain_steps_in_a_row + 1 if k == 0 else 0
-        poor = 60 <= step < 75
-        ak.observe(9, k, 1.0 + 0.33 * k, 0.03 * k, [0] * 9 if poor else [min(k, a) for a in keeps])
-        ran.append(k)
+    def run(keeps, poor=range(0)):
+        """300 steps of a 9-row group, k <= 1: a k = 1 step costs 1.33 plain steps, row r keeps
+        draft 1 where keeps[r] (none in the `poor` steps); the k of each step."""
+        ak, group, ran = AdaptiveK(max_k=4), G(9, None, 0.0), []
+        for step in range(300):
+            group._a = ak.acceptance
+            k = group.k = ak.choose(group, 1)
+            group.plain_steps_in_a_row = group.plain_steps_in_a_row + 1 if k == 0 else 0
+            kept = [0] * 9 if step in poor else [min(k, a) for a in keeps]
+            ak.observe(9, k, 1.0 + 0.33 * k, 0.03 * k, kept)
+            ran.append(k)
+        return ran
+
+    ran = run([1, 1, 1, 1, 0, 0, 0, 0, 0], poor=range(60, 75))   # 4 of 9 rows keep draft 1
     after = "".join(map(str, ran[75:]))
     assert after.startswith("0"), after   # the stretch sent it to plain decoding
     plain = after[:after.index("1" * 20)]   # until k = 1 runs for good
     assert plain.count("0") <= 5 * AdaptiveK.PROBE_EVERY, after
-    assert all(len(run) <= AdaptiveK.PROBE_EVERY for run in plain.split("1")), after
+    assert all(len(zeros) <= AdaptiveK.PROBE_EVERY for zeros in plain.split("1")), after
     assert ran[-100:].count(0) <= 10, ran   # but for the near-tie plain probes
     # a draft that, priced fairly, runs at 0.83 of plain decoding's rate (1 row of 9 keeps
     # draft 1): its probes still grow rarer
-    ak, group, ran = AdaptiveK(max_k=4), G(9, None, 0.0), []
-    for step in range(300):
-        group._a = ak.acceptance
-        k = group.k = ak.choose(group, 1)
-        group.plain_steps_in_a_row = group.plain_steps_in_a_row + 1 if k == 0 else 0
-        ak.observe(9, k, 1.0 + 0.33 * k, 0.03 * k, [min(k, a) for a in [1] + [0] * 8])
-        ran.append(k)
+    ran = run([1] + [0] * 8)
     assert ran[-200:].count(1) <= 4, ran
 
 
