@@ -110,9 +110,9 @@ def test_a_row_proposes_from_its_own_tree_grown_by_its_new_tokens_only():
             return self.tokens[self.num_prompt_tokens:]
 
     row = Row([5, 6, 7, 8, 9, 1, 2, 5, 6])
-    assert proposer._propose(row, 4) == [7, 8]   # "5 6" seen once: follows it, m = 2 caps it
+    assert proposer.propose_row(row, 4) == [7, 8]   # "5 6" seen once: follows it, m = 2 caps it
     row.tokens += [7, 8, 9]
-    assert proposer._propose(row, 2) == [1, 2]
+    assert proposer.propose_row(row, 2) == [1, 2]
     assert proposer.local[row]._covered[0] == len(row.tokens)
 
 
@@ -130,17 +130,17 @@ def test_only_requests_that_end_as_asked_enter_the_global_tree_and_it_stays_boun
     answer = [40, 41, 42, 43, 44]
     for reason in ("abort", "error"):
         row = Row([1, 2], answer)
-        proposer._propose(row, 3)
+        proposer.propose_row(row, 3)
         proposer.request_done(row, reason)
         assert row not in proposer.local and len(proposer.global_tree) == 0, reason
     asking = Row([9, 40, 41], [])
-    assert proposer._propose(asking, 3) == []   # nothing learnt from the aborted one
+    assert proposer.propose_row(asking, 3) == []   # nothing learnt from the aborted one
     for i, reason in enumerate(("stop", "length", "stop")):
         proposer.request_done(Row([1, 2], answer if i == 0 else [60 + i, 61 + i]), reason)
     assert len(proposer.global_tree) == 2   # max_cached_requests: the oldest (the answer) went
-    assert proposer._propose(Row([9, 40, 41], []), 3) == []
+    assert proposer.propose_row(Row([9, 40, 41], []), 3) == []
     proposer.request_done(Row([1, 2], answer), "stop")
-    assert proposer._propose(Row([9, 40, 41], []), 3) == [42, 43]   # m = 2 caps it at 2
+    assert proposer.propose_row(Row([9, 40, 41], []), 3) == [42, 43]   # m = 2 caps it at 2
 
 
 def test_the_engine_with_suffix_decoding_is_exact_and_learns_across_requests(pairs, cyclic):
@@ -182,9 +182,9 @@ def test_forget_drops_what_was_learnt_across_requests():
         tokens, num_prompt_tokens, output_ids = [1, 40, 41, 42], 1, [40, 41, 42]
     proposer.request_done(Row(), "stop")
     asking = type("Asking", (), {"tokens": [9, 40, 41], "num_prompt_tokens": 3, "output_ids": []})()
-    assert proposer._propose(asking, 3) == [42]
+    assert proposer.propose_row(asking, 3) == [42]
     proposer.forget()
-    assert proposer._propose(type(asking)(), 3) == [] and len(proposer.global_tree) == 0
+    assert proposer.propose_row(type(asking)(), 3) == [] and len(proposer.global_tree) == 0
 
 
 def test_through_the_engine_an_aborted_request_never_feeds_the_global_tree(pairs, cyclic):

@@ -60,13 +60,13 @@ def per_row_step(kind: str, context: int, steps: int, step_tokens: int, k: int, 
     tokens = history(kind, context + steps * step_tokens, vocab, rng)
     row = _Row(tokens[:context], context)
     start = time.perf_counter()
-    proposer._propose(row, k)   # the prompt, indexed once
+    proposer.propose_row(row, k)   # the prompt, indexed once
     build = time.perf_counter() - start
     seconds, proposed = 0.0, 0
     for step in range(steps):
         row.tokens += tokens[context + step * step_tokens:context + (step + 1) * step_tokens]
         start = time.perf_counter()
-        proposed += len(proposer._propose(row, k))
+        proposed += len(proposer.propose_row(row, k))
         seconds += time.perf_counter() - start
     return {"step": seconds / steps, "build": build, "proposed": proposed / steps,
             "nodes": nodes(proposer.local[row]) / len(row.tokens)}

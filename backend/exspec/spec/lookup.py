@@ -4,7 +4,7 @@ suffix decoding): no model, no KV cache, no forward.
 Their proposals are known when the step is planned, so each row proposes its own number of
 tokens, a constrained row only what its grammar accepts, and the verification input ([pending,
 proposal] per row, left-padded) goes up in the step's one upload. A subclass says only how a row
-proposes (`_propose`) and what it keeps per request.
+proposes (`propose_row`) and what it keeps per request.
 """
 from __future__ import annotations
 
@@ -15,15 +15,16 @@ class LookupProposer(Proposer):
     proposes = True
     proposes_on_host = True
 
-    def _propose(self, row: Row, k: int) -> list[int]:
-        """Up to k tokens for this row; [] for none."""
+    def propose_row(self, row: Row, k: int) -> list[int]:
+        """Up to k tokens for this row; [] for none (public: the cost benches and the replay
+        call it outside a step)."""
         raise NotImplementedError
 
     def plan(self, runner: Runner, seqs, k: int, width_for=None) -> Plan:
         if k == 0:
             return Plan(0, [0] * len(seqs))
         with runner.stats.timer("draft"):
-            proposals = [self._propose(s, s.drafts_at(k)) for s in seqs]
+            proposals = [self.propose_row(s, s.drafts_at(k)) for s in seqs]
             # a constrained row proposes only what its grammar accepts
             proposals = [p if s.grammar is None else p[:s.grammar.valid_prefix(p)]
                          for s, p in zip(seqs, proposals)]

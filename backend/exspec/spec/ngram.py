@@ -62,7 +62,7 @@ class NgramProposer(LookupProposer):
         """`NgramIndex.lookup` on a history seen once (the rows' own indexes persist)."""
         return NgramIndex(self.min_n, self.max_n).lookup(tokens, k)
 
-    def _propose(self, row: Row, k: int) -> list[int]:
+    def propose_row(self, row: Row, k: int) -> list[int]:
         index = self.indexes.get(row)
         if index is None:
             index = self.indexes[row] = NgramIndex(self.min_n, self.max_n)

@@ -217,7 +217,7 @@ class SuffixProposer(LookupProposer):
         # the engine thread proposes and ends requests; an abort may end one from another
         self.lock = threading.Lock()
 
-    def _propose(self, row: Row, k: int) -> list[int]:
+    def propose_row(self, row: Row, k: int) -> list[int]:
         if k <= 0:
             return []
         tree = self.local.get(row)
