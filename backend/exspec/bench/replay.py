@@ -1,0 +1,291 @@
+"""`python -m exspec.bench.replay`: how many tokens a host proposer (n-gram prompt lookup,
+suffix decoding) would commit per target step on recorded traffic, offline, without a model.
+
+Each trace's output is replayed as the greedy target produced it: the first token comes from
+the prefill, then at every step the proposer proposes from what it would have seen in serving
+(the row's prompt and output so far; suffix decoding's global tree, the outputs of the traces
+before it), and the step commits the longest prefix of the proposal that the recorded output
+continues with, plus the target's own next token. The engine's proposers run as they run in
+serving (`LookupProposer.propose_row`), so on greedy traces the replay's steps are the engine's
+steps at that fixed k, one request at a time (tests/test_replay.py checks it on the engine).
+
+Tokens per step is the speed-up's ceiling where a verification costs what a plain step costs
+(a GPU at small batch, memory-bound, comes near it; on a CPU a wide verification costs more,
+and exspec-bench measures the real thing). It answers, before a deployment: does my traffic
+repeat itself enough for suffix decoding or prompt lookup to pay, at which k, after how much
+history. A sampled output replays as if the target had chosen it greedily (it did, for the
+tokens drawn): a proposal is kept as far as the recorded output goes.
+
+Traces: JSONL, one request a line, in the order they were served: "prompt" (text as the model
+saw it, chat template applied) or "prompt_token_ids"; "output" (text) or "output_token_ids";
+"category" (optional: a column each). Text goes through --tokenizer. Or, with --prompt-set, the
+target's own greedy answers to a set shipped with exspec-bench, made here first (--pair,
+--num-prompts, --max-tokens as exspec-bench takes them; --save-traces keeps them as JSONL).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import EngineConfig
+from ..engine.llm_engine import proposer_for
+from ..vllm_args import translate
+
+DEFAULT_CONFIGS = ('{"method": "ngram", "num_speculative_tokens": 5}',
+                   '{"method": "suffix", "num_speculative_tokens": 5}')
+
+
+@dataclass
+class Trace:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    category: str = ""
+
+
+class TraceRow:
+    """A trace as the proposer sees a row (proposer.Row): prompt + the output committed so far,
+    the last token pending."""
+    grammar = None
+
+    def __init__(self, trace: Trace):
+        self.num_prompt_tokens = len(trace.prompt_ids)
+        self.tokens = trace.prompt_ids + trace.output_ids[:1]   # the prefill's token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def pending_token(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+    def drafts_at(self, k: int) -> int:
+        return k
+
+
+@dataclass
+class Tally:
+    """One replay's counts (of a category, or all): decode steps, the tokens they committed,
+    tokens proposed and kept."""
+    steps: int = 0
+    tokens: int = 0
+    proposed: int = 0
+    kept: int = 0
+    steps_per_trace: list[int] = field(default_factory=list)
+
+    def add(self, other: "Tally") -> None:
+        self.steps += other.steps
+        self.tokens += other.tokens
+        self.proposed += other.proposed
+        self.kept += other.kept
+        self.steps_per_trace += other.steps_per_trace
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        return self.tokens / self.steps if self.steps else None
+
+    @property
+    def kept_share(self) -> float | None:
+        return self.kept / self.proposed if self.proposed else None
+
+
+def proposer_of(spec: dict):
+    """vLLM's speculative_config (method ngram or suffix, their keys) -> (the engine's proposer,
+    k); refused as model.json would refuse it."""
+    if spec.get("method") not in ("ngram", "suffix"):
+        raise ValueError(f"replay: speculative_config method must be 'ngram' or 'suffix' (host "
+                         f"proposers: a draft model or head needs the target), got {spec!r}")
+    keys, _ = translate({"model": "replay", "speculative_config": spec})
+    config = EngineConfig(**{k: v for k, v in keys.items() if k != "default_max_tokens"},
+                          method="exspec")
+    return proposer_for(config, None, 0), config.num_speculative_tokens
+
+
+def replay_one(proposer, trace: Trace, k: int) -> Tally:
+    """One request, served alone at fixed k: its decode steps and what they committed."""
+    row, out = TraceRow(trace), trace.output_ids
+    tally = Tally()
+    while row.num_tokens - row.num_prompt_tokens < len(out):
+        at = row.num_tokens - row.num_prompt_tokens   # output tokens committed
+        proposal = proposer.propose_row(row, row.drafts_at(k))
+        kept = 0
+        while kept < len(proposal) and at + kept < len(out) and proposal[kept] == out[at + kept]:
+            kept += 1
+        new = out[at:at + kept + 1]   # the kept proposal and the target's next token
+        row.tokens += new
+        tally.steps += 1
+        tally.tokens += len(new)
+        tally.proposed += len(proposal)
+        tally.kept += kept
+    tally.steps_per_trace.append(tally.steps)
+    proposer.request_done(row, "stop")
+    return tally
+
+
+def replay(spec: dict, traces: list[Trace], warm: int = 0) -> dict[str, Tally]:
+    """Every trace in order through one proposer; the first `warm` are served (suffix decoding
+    learns from them) but not counted. Tallies per category, and "all"."""
+    proposer, k = proposer_of(spec)
+    tallies: dict[str, Tally] = {}
+    for i, trace in enumerate(traces):
+        tally = replay_one(proposer, trace, k)
+        if i >= warm:
+            for key in {"all", trace.category} - {""}:
+                tallies.setdefault(key, Tally()).add(tally)
+    return tallies
+
+
+def read_traces(path: Path, tokenizer_path: str | None) -> list[Trace]:
+    tokenizer = None
+    traces = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        ids = {}
+        for part in ("prompt", "output"):
+            if f"{part}_token_ids" in row:
+                ids[part] = [int(t) for t in row[f"{part}_token_ids"]]
+            elif part in row:
+                if tokenizer is None:
+                    if not tokenizer_path:
+                        raise SystemExit(f"replay: {path}:{n} holds text: give --tokenizer")
+                    from transformers import AutoTokenizer
+                    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+                ids[part] = tokenizer.encode(row[part], add_special_tokens=False)
+            else:
+                raise SystemExit(f"replay: {path}:{n}: no \"{part}\" nor \"{part}_token_ids\"")
+        if not ids["output"]:
+            continue   # nothing generated: no step to replay
+        traces.append(Trace(ids["prompt"], ids["output"], str(row.get("category", ""))))
+    if not traces:
+        raise SystemExit(f"replay: {path} holds no trace with an output")
+    return traces
+
+
+def traces_from_prompt_set(args) -> list[Trace]:
+    """The target's greedy answers to a shipped prompt set (exspec-bench's prompts and pair)."""
+    from . import cli
+    from .methods import HFModels
+    bench = cli.parse_args(["--pair", args.pair, "--prompt-set", args.prompt_set,
+                            "--num-prompts", str(args.num_prompts), "--max-tokens",
+                            str(args.max_tokens), "--threads", str(args.threads)]
+                           + (["--no-progress"] if args.no_progress else []))
+    cli.set_up(bench)
+    cli.resolve_pair(bench)
+    bench.prompts = cli.PROMPT_SETS / f"{args.prompt_set}.jsonl"
+    hf = HFModels(bench)
+    prompts = cli.usable_prompts(bench, hf)
+    from tqdm import tqdm
+    return [Trace(p.ids, hf.generate([p.ids], args.max_tokens)[0], p.category)
+            for p in tqdm(prompts, desc="traces (target greedy)", unit="prompt",
+                          disable=args.no_progress)]
+
+
+def table(rows: list[tuple[str, dict[str, Tally]]]) -> str:
+    """Markdown: per configuration, tokens per step (kept share of proposed tokens) per category."""
+    categories = sorted({c for _, t in rows for c in t} - {"all"})
+    head = ["all", *categories] if categories else ["all"]
+    lines = ["| tokens per target step (proposed tokens kept) | " + " | ".join(head) + " |",
+             "|---|" + "---|" * len(head)]
+    for label, tallies in rows:
+        cells = []
+        for c in head:
+            t = tallies.get(c)
+            cells.append("–" if t is None or t.tokens_per_step is None else
+                         f"{t.tokens_per_step:.2f} ({t.kept_share or 0:.0%})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m exspec.bench.replay", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--traces", type=Path, help="JSONL of served requests, in order")
+    source.add_argument("--prompt-set", choices=("grounded", "open", "agentic", "multiturn",
+                                                 "code_edit", "repeated"),
+                        help="make traces here: the target's greedy answers to a shipped set")
+    ap.add_argument("--tokenizer", help="for traces that hold text")
+    ap.add_argument("--speculative-config", action="append", metavar="JSON",
+                    help="vLLM's speculative_config of a host proposer (method ngram or suffix, "
+                         "their keys, num_speculative_tokens: the fixed k); once per row of the "
+                         f"table (default: {' and '.join(DEFAULT_CONFIGS)})")
+    ap.add_argument("-k", default=None,
+                    help="comma list: each configuration replayed at each k (its "
+                         "num_speculative_tokens replaced)")
+    ap.add_argument("--warm", type=int, default=0, metavar="N",
+                    help="the first N traces are served, not counted (suffix decoding learns "
+                         "from them: a server that served them before)")
+    ap.add_argument("--pair", choices=("demo", "smollm2"), default="smollm2",
+                    help="--prompt-set: whose target answers (default smollm2)")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for making traces")
+    ap.add_argument("--save-traces", type=Path, help="--prompt-set: write the traces made here")
+    ap.add_argument("--out", type=Path, help="also write the tallies as JSON here")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        args.configs = [json.loads(c) for c in args.speculative_config or DEFAULT_CONFIGS]
+    except json.JSONDecodeError as e:
+        ap.error(f"--speculative-config: not JSON ({e})")
+    if any(not isinstance(c, dict) for c in args.configs):
+        ap.error("--speculative-config: a JSON object, as vLLM's speculative_config")
+    if args.k is not None:
+        ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
+        if not ks or min(ks) < 1:
+            ap.error("-k: a comma list of k >= 1")
+        args.configs = [dict(c, num_speculative_tokens=k) for c in args.configs for k in ks]
+    if args.warm < 0:
+        ap.error("--warm must be >= 0")
+    return args
+
+
+def label(spec: dict) -> str:
+    rest = {k: v for k, v in spec.items() if k not in ("method", "num_speculative_tokens")}
+    extra = "".join(f", {k} {v}" for k, v in rest.items())
+    return f"{spec['method']}, k = {spec.get('num_speculative_tokens', '24 (depth)')}{extra}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    for spec in args.configs:   # refused before any trace is made
+        try:
+            proposer_of(spec)
+        except ValueError as e:
+            raise SystemExit(f"replay: {e}")
+    if args.traces:
+        traces = read_traces(args.traces, args.tokenizer)
+    else:
+        traces = traces_from_prompt_set(args)
+        if args.save_traces:
+            args.save_traces.write_text("".join(
+                json.dumps({"prompt_token_ids": t.prompt_ids, "output_token_ids": t.output_ids,
+                            "category": t.category}) + "\n" for t in traces))
+    if args.warm >= len(traces):
+        raise SystemExit(f"replay: --warm {args.warm} leaves none of the {len(traces)} traces to count")
+    rows = [(label(spec), replay(spec, traces, args.warm)) for spec in args.configs]
+    print(f"{len(traces) - args.warm} traces replayed (after {args.warm} served first), one "
+          f"request at a time, each at its fixed k; a decode step commits the kept proposal and "
+          f"one token (the prefill's first token is not a step)")
+    print(table(rows))
+    if args.out:
+        args.out.write_text(json.dumps(
+            [{"config": spec, "tallies": {c: {"steps": t.steps, "tokens": t.tokens,
+                                               "proposed": t.proposed, "kept": t.kept,
+                                               "tokens_per_step": t.tokens_per_step}
+                                           for c, t in tallies.items()}}
+             for spec, (_, tallies) in zip(args.configs, rows)], indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
