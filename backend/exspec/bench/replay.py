@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     rows = [(label(spec), replay(spec, traces, args.warm)) for spec in args.configs]
     print(f"{len(traces) - args.warm} traces replayed (after {args.warm} served first), one "
           f"request at a time, each at its fixed k; a decode step commits the kept proposal and "
-          f"one token (the prefill's first token is not a step)")
+          f"one token (the prefill's first token is not a step)\n")
     print(table(rows))
     if args.out:
         args.out.write_text(json.dumps(
