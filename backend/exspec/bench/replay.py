@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import EngineConfig
@@ -78,14 +78,12 @@ class Tally:
     tokens: int = 0
     proposed: int = 0
     kept: int = 0
-    steps_per_trace: list[int] = field(default_factory=list)
 
     def add(self, other: "Tally") -> None:
         self.steps += other.steps
         self.tokens += other.tokens
         self.proposed += other.proposed
         self.kept += other.kept
-        self.steps_per_trace += other.steps_per_trace
 
     @property
     def tokens_per_step(self) -> float | None:
@@ -124,7 +122,6 @@ def replay_one(proposer, trace: Trace, k: int) -> Tally:
         tally.tokens += len(new)
         tally.proposed += len(proposal)
         tally.kept += kept
-    tally.steps_per_trace.append(tally.steps)
     proposer.request_done(row, "stop")
     return tally
 
@@ -250,9 +247,11 @@ def parse_args(argv):
 
 
 def label(spec: dict) -> str:
+    """The table's name for a configuration: its method, k (vLLM's default where it gives
+    none: suffix decoding proposes up to its tree's depth) and the keys it sets."""
     rest = {k: v for k, v in spec.items() if k not in ("method", "num_speculative_tokens")}
     extra = "".join(f", {k} {v}" for k, v in rest.items())
-    return f"{spec['method']}, k = {spec.get('num_speculative_tokens', '24 (depth)')}{extra}"
+    return f"{spec['method']}, k = {proposer_of(spec)[1]}{extra}"
 
 
 def main(argv=None) -> int:
