@@ -23,15 +23,18 @@ def cyclic(tmp_path_factory):
     return str(path), cyclic_target(path, len(build_tokenizer()))
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 8.0}], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     {"method": "suffix", "num_speculative_tokens": 3},
 ])
-def test_replay_counts_the_engines_own_steps_request_by_request(pairs, cyclic, spec):
+def test_replay_counts_the_engines_own_steps_request_by_request(pairs, cyclic, spec, sampling):
     """The output cycles through the target's successor cycle of the prompt's last token; the
     prompt holds each token of that cycle followed by a wrong one, so lookups in it propose
     wrong continuations (rejected) until the output's own first cycle is there to match (kept).
-    Later requests ask again (suffix decoding's global tree proposes the answer seen)."""
+    Later requests ask again (suffix decoding's global tree proposes the answer seen). Seeded
+    sampling (the gumbel coupling) keeps a proposed token where the target draws it: the
+    recorded output replays as exactly as a greedy one."""
     target, successor = cyclic
     rng = random.Random(3)
     vocab = len(successor)
@@ -50,7 +53,8 @@ def test_replay_counts_the_engines_own_steps_request_by_request(pairs, cyclic, s
     traces, steps, proposed = [], [], []
     for i, prompt in enumerate(prompts):
         before = engine.stats()
-        [out] = engine.generate([prompt], SamplingParams(max_tokens=16 + 3 * i, ignore_eos=True))
+        params = SamplingParams(max_tokens=16 + 3 * i, ignore_eos=True, seed=40 + i, **sampling)
+        [out] = engine.generate([prompt], params)
         after = engine.stats()
         traces.append(replay.Trace(prompt, out.token_ids))
         steps.append(after["steps"] - before["steps"])
@@ -63,6 +67,10 @@ def test_replay_counts_the_engines_own_steps_request_by_request(pairs, cyclic, s
     kept = sum(t.kept for t in tallies)
     assert 0 < kept < sum(proposed), (kept, proposed)   # both kept and rejected proposals
     assert all(t.tokens == len(tr.output_ids) - 1 for t, tr in zip(tallies, traces))
+    drawn = [(a, b) for tr in traces for a, b in zip(tr.output_ids, tr.output_ids[1:])]
+    off_cycle = sum(b != successor[a] for a, b in drawn)
+    # seeded at a high temperature: many draws leave the cycle (59 of 135), yet some proposals hold
+    assert (off_cycle > 0) == bool(sampling), off_cycle
 
 
 def test_the_command_replays_text_traces_per_category_and_k(pairs, tmp_path, capsys):

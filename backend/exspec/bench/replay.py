@@ -7,14 +7,16 @@ the prefill, then at every step the proposer proposes from what it would have se
 before it), and the step commits the longest prefix of the proposal that the recorded output
 continues with, plus the target's own next token. The engine's proposers run as they run in
 serving (`LookupProposer.propose_row`), so on greedy traces the replay's steps are the engine's
-steps at that fixed k, one request at a time (tests/test_replay.py checks it on the engine).
+steps at that fixed k, one request at a time (tests/engine/test_replay.py checks it on the
+engine).
 
 Tokens per step is the speed-up's ceiling where a verification costs what a plain step costs
 (a GPU at small batch, memory-bound, comes near it; on a CPU a wide verification costs more,
 and exspec-bench measures the real thing). It answers, before a deployment: does my traffic
 repeat itself enough for suffix decoding or prompt lookup to pay, at which k, after how much
-history. A sampled output replays as if the target had chosen it greedily (it did, for the
-tokens drawn): a proposal is kept as far as the recorded output goes.
+history. A sampled output (the engine's default gumbel coupling) replays as exactly: there a
+proposed token is kept where it equals the token the target draws at its position, which is
+the recorded one (under the rejection coupling: the same in expectation, not step for step).
 
 Traces: JSONL, one request a line, in the order they were served: "prompt" (text as the model
 saw it, chat template applied) or "prompt_token_ids"; "output" (text) or "output_token_ids";
