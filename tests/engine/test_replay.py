@@ -113,6 +113,20 @@ def test_a_configuration_the_engine_would_refuse_is_refused_naming_it(tmp_path, 
         replay.main(["--traces", str(traces), "--speculative-config", config])
 
 
+@pytest.mark.parametrize("args, words", [
+    (["-k", "2,x"], "-k: a comma list of k >= 1, got '2,x'"),
+    (["-k", "0"], "-k: a comma list of k >= 1"),
+    (["--save-traces", "out.jsonl"], "--save-traces writes the traces --prompt-set makes"),
+    (["--speculative-config", "{method: suffix}"], "--speculative-config: not JSON"),
+])
+def test_bad_flags_are_refused_naming_the_flag(tmp_path, capsys, args, words):
+    traces = tmp_path / "t.jsonl"
+    traces.write_text(json.dumps({"prompt_token_ids": [1, 2], "output_token_ids": [3, 4]}) + "\n")
+    with pytest.raises(SystemExit):
+        replay.main(["--traces", str(traces), *args])
+    assert words in capsys.readouterr().err
+
+
 def test_warm_traces_must_leave_some_to_count(tmp_path):
     traces = tmp_path / "t.jsonl"
     traces.write_text(json.dumps({"prompt_token_ids": [1, 2], "output_token_ids": [3, 4]}) + "\n")

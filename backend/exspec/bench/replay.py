@@ -239,12 +239,17 @@ def parse_args(argv):
     if any(not isinstance(c, dict) for c in args.configs):
         ap.error("--speculative-config: a JSON object, as vLLM's speculative_config")
     if args.k is not None:
-        ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
+        try:
+            ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
+        except ValueError:
+            ks = []
         if not ks or min(ks) < 1:
-            ap.error("-k: a comma list of k >= 1")
+            ap.error(f"-k: a comma list of k >= 1, got {args.k!r}")
         args.configs = [dict(c, num_speculative_tokens=k) for c in args.configs for k in ks]
     if args.warm < 0:
         ap.error("--warm must be >= 0")
+    if args.save_traces and not args.prompt_set:
+        ap.error("--save-traces writes the traces --prompt-set makes; --traces are yours already")
     return args
 
 
