@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ..config import EngineConfig
 from ..engine.llm_engine import proposer_for
+from ..spec.lookup import StandaloneRow
 from ..vllm_args import translate
 
 DEFAULT_CONFIGS = ('{"method": "ngram", "num_speculative_tokens": 5}',
@@ -45,31 +46,6 @@ class Trace:
     prompt_ids: list[int]
     output_ids: list[int]
     category: str = ""
-
-
-class TraceRow:
-    """A trace as the proposer sees a row (proposer.Row): prompt + the output committed so far,
-    the last token pending."""
-    grammar = None
-
-    def __init__(self, trace: Trace):
-        self.num_prompt_tokens = len(trace.prompt_ids)
-        self.tokens = trace.prompt_ids + trace.output_ids[:1]   # the prefill's token
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def pending_token(self) -> int:
-        return self.tokens[-1]
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt_tokens:]
-
-    def drafts_at(self, k: int) -> int:
-        return k
 
 
 @dataclass
@@ -110,7 +86,9 @@ def proposer_of(spec: dict):
 
 def replay_one(proposer, trace: Trace, k: int) -> Tally:
     """One request, served alone at fixed k: its decode steps and what they committed."""
-    row, out = TraceRow(trace), trace.output_ids
+    # the prefill committed the first output token
+    row = StandaloneRow(trace.prompt_ids + trace.output_ids[:1], len(trace.prompt_ids))
+    out = trace.output_ids
     tally = Tally()
     while row.num_tokens - row.num_prompt_tokens < len(out):
         at = row.num_tokens - row.num_prompt_tokens   # output tokens committed
@@ -253,21 +231,20 @@ def parse_args(argv):
     return args
 
 
-def label(spec: dict) -> str:
-    """The table's name for a configuration: its method, k (vLLM's default where it gives
-    none: suffix decoding proposes up to its tree's depth) and the keys it sets."""
-    rest = {k: v for k, v in spec.items() if k not in ("method", "num_speculative_tokens")}
-    extra = "".join(f", {k} {v}" for k, v in rest.items())
-    return f"{spec['method']}, k = {proposer_of(spec)[1]}{extra}"
+def label(spec: dict, k: int) -> str:
+    """The table's name for a configuration: its method, the k it runs at (vLLM's default where
+    it gives none: suffix decoding proposes up to its tree's depth) and the keys it sets."""
+    rest = {key: v for key, v in spec.items() if key not in ("method", "num_speculative_tokens")}
+    extra = "".join(f", {key} {v}" for key, v in rest.items())
+    return f"{spec['method']}, k = {k}{extra}"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    for spec in args.configs:   # refused before any trace is made
-        try:
-            proposer_of(spec)
-        except ValueError as e:
-            raise SystemExit(f"replay: {e}")
+    try:   # refused before any trace is made
+        labels = [label(spec, proposer_of(spec)[1]) for spec in args.configs]
+    except ValueError as e:
+        raise SystemExit(f"replay: {e}")
     if args.traces:
         traces = read_traces(args.traces, args.tokenizer)
     else:
@@ -278,7 +255,7 @@ def main(argv=None) -> int:
                             "category": t.category}) + "\n" for t in traces))
     if args.warm >= len(traces):
         raise SystemExit(f"replay: --warm {args.warm} leaves none of the {len(traces)} traces to count")
-    rows = [(label(spec), replay(spec, traces, args.warm)) for spec in args.configs]
+    rows = [(name, replay(spec, traces, args.warm)) for name, spec in zip(labels, args.configs)]
     print(f"{len(traces) - args.warm} traces replayed (after {args.warm} served first), one "
           f"request at a time, each at its fixed k; a decode step commits the kept proposal and "
           f"one token (the prefill's first token is not a step)\n")

@@ -15,16 +15,8 @@ import random
 import statistics
 import time
 
+from ..spec.lookup import StandaloneRow
 from ..spec.suffix import SuffixProposer, SuffixTree
-
-
-class _Row:
-    def __init__(self, tokens: list[int], prompt: int):
-        self.tokens, self.num_prompt_tokens = tokens, prompt
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt_tokens:]
 
 
 def history(kind: str, length: int, vocab: int, rng: random.Random) -> list[int]:
@@ -55,10 +47,10 @@ def per_row_step(kind: str, context: int, steps: int, step_tokens: int, k: int, 
     rng = random.Random(seed)
     proposer = SuffixProposer(max_tree_depth=depth)
     for _ in range(cached):   # earlier requests' outputs, 256 tokens each
-        done = _Row(history(kind, 256, vocab, rng), 0)
+        done = StandaloneRow(history(kind, 256, vocab, rng), 0)
         proposer.request_done(done, "stop")
     tokens = history(kind, context + steps * step_tokens, vocab, rng)
-    row = _Row(tokens[:context], context)
+    row = StandaloneRow(tokens[:context], context)
     start = time.perf_counter()
     proposer.propose_row(row, k)   # the prompt, indexed once
     build = time.perf_counter() - start

@@ -11,6 +11,30 @@ from __future__ import annotations
 from .proposer import Plan, Proposal, Proposer, Row, Runner, StepState
 
 
+class StandaloneRow:
+    """A row outside the engine (the cost benches', the replay's), as a lookup proposer reads it
+    (proposer.Row): its tokens, prompt then output, the last pending; no grammar, no own cap."""
+    grammar = None
+
+    def __init__(self, tokens: list[int], num_prompt_tokens: int):
+        self.tokens, self.num_prompt_tokens = tokens, num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def pending_token(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+    def drafts_at(self, k: int) -> int:
+        return k
+
+
 class LookupProposer(Proposer):
     proposes = True
     proposes_on_host = True
