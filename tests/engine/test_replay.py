@@ -38,14 +38,18 @@ def test_replay_counts_the_engines_own_steps_request_by_request(pairs, cyclic, s
     target, successor = cyclic
     rng = random.Random(3)
     vocab = len(successor)
-    prompts = []
+    prompts, cycles = [], []
     for _ in range(4):
         cycle = [rng.randrange(1, vocab)]
         while successor[cycle[-1]] != cycle[0]:
             cycle.append(successor[cycle[-1]])
         wrong = [rng.choice([t for t in range(1, vocab) if t != successor[c]]) for c in cycle]
         prompts.append([t for pair in zip(cycle, wrong) for t in pair] + cycle[:1])
+        cycles.append(cycle)
     prompts += [p[:] for p in prompts[:2]]   # asked again: the answer was seen
+    cycles += cycles[:2]
+    # the second request and its repeat end at a stop token, within a proposal that runs past it
+    stops = {1: [cycles[1][4]], 5: [cycles[1][4]]}
     keys = {k: v for k, v in spec.items() if k not in ("method", "num_speculative_tokens")}
     engine = make_engine(pairs, target_model=target, draft_model=None, method="exspec",
                          proposer=spec["method"], num_speculative_tokens=3, adaptive_k=False,
@@ -53,7 +57,8 @@ def test_replay_counts_the_engines_own_steps_request_by_request(pairs, cyclic, s
     traces, steps, proposed = [], [], []
     for i, prompt in enumerate(prompts):
         before = engine.stats()
-        params = SamplingParams(max_tokens=16 + 3 * i, ignore_eos=True, seed=40 + i, **sampling)
+        params = SamplingParams(max_tokens=16 + 3 * i, ignore_eos=True, seed=40 + i,
+                                stop_token_ids=stops.get(i, []), **sampling)
         [out] = engine.generate([prompt], params)
         after = engine.stats()
         traces.append(replay.Trace(prompt, out.token_ids))
