@@ -6,14 +6,13 @@ import threading
 import time
 import traceback
 
-import triton_python_backend_utils as pb_utils
-
 from exspec_messages import STOP, EngineDead, StepFailed, Tick
 
 
 class EngineThread:
-    def __init__(self, engine, sends, lifecycle):
+    def __init__(self, engine, sends, lifecycle, log):
         self.engine = engine
+        self.log = log
         self.sends = sends
         self.lifecycle = lifecycle
         self.tick_started: float | None = None   # set during a tick; read by the watchdog
@@ -51,7 +50,7 @@ class EngineThread:
                 self._tick()
         except BaseException:   # e.g. EngineCrash: nothing runs ticks any more
             message = traceback.format_exc()
-            pb_utils.Logger.log_error(f"exspec: the engine thread died: {message}")
+            self.log.error(f"exspec: the engine thread died: {message}")
             self.sends.put(EngineDead(f"the engine thread died: {message.strip().splitlines()[-1]}"))
             self._stop.wait()   # the send thread answers every request until finalize
         finally:
@@ -64,7 +63,7 @@ class EngineThread:
             stats = self.engine.stats()
         except Exception:
             message = traceback.format_exc(limit=5)
-            pb_utils.Logger.log_error(f"exspec: engine step failed: {message}")
+            self.log.error(f"exspec: engine step failed: {message}")
             self.sends.put(StepFailed(message.strip().splitlines()[-1]))
             time.sleep(0.05)
             return

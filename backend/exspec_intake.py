@@ -1,6 +1,7 @@
 """Request intake, on Triton's thread: each request parsed, registered with the send thread and
-handed to the engine; `execute` returns at once. A request refused here gets its one (error)
-response here; from registration on, the send thread answers it."""
+handed to the engine; `execute` returns at once. Nothing here sends, counts or logs through
+Triton: a request refused here is handed to the send thread, which answers it (exspec_log says
+why one thread owns those objects)."""
 from __future__ import annotations
 
 import itertools
@@ -13,7 +14,6 @@ from exspec import EngineBusyError, InvalidRequestError
 from exspec_messages import Register, Reject
 from exspec_request import (ERROR_CODE_TAG_PARAMETER, FLAG_INPUTS, ParsedRequest, parse_request,
                             render_chat)
-from exspec_responses import send_error, triton_error
 from exspec_stream import Stream
 
 INPUTS = [
@@ -26,11 +26,11 @@ INPUTS = [
 
 
 class Intake:
-    def __init__(self, engine, sends, lifecycle, metrics, per_token: bool):
+    def __init__(self, engine, sends, lifecycle, log, per_token: bool):
         self.engine = engine
         self.sends = sends
         self.lifecycle = lifecycle
-        self.metrics = metrics
+        self.log = log
         self.per_token = per_token
         self._ids = itertools.count()
 
@@ -41,14 +41,10 @@ class Intake:
             parameters = _request_parameters(request)
             tag = bool(parameters.get(ERROR_CODE_TAG_PARAMETER, False))
             parsed = self._parse(request, parameters)
-        except (InvalidRequestError, EngineBusyError) as exc:
-            self.metrics.rejected()
-            send_error(sender, triton_error(exc, tag))
-            return
         except Exception as exc:  # a bug in parsing must still answer this request once
-            pb_utils.Logger.log_error(f"exspec: parsing failed: {traceback.format_exc()}")
-            self.metrics.rejected()
-            send_error(sender, triton_error(exc, tag))
+            if not isinstance(exc, (InvalidRequestError, EngineBusyError)):
+                self.log.error(f"exspec: parsing failed: {traceback.format_exc()}")
+            self.sends.put(Reject(sender, exc, tag))
             return
         request_id = f"{next(self._ids)}:{request.request_id()}"
         stream = Stream(request_id, sender, parsed,
@@ -74,11 +70,10 @@ class Intake:
         self.sends.put(Register(stream))
         try:
             self.engine.add_request(stream.request_id, stream.req.prompt, stream.req.params)
-        except (InvalidRequestError, EngineBusyError) as exc:
-            self.sends.put(Reject(stream, exc))
         except Exception as exc:
-            pb_utils.Logger.log_error(f"exspec: add_request failed: {traceback.format_exc()}")
-            self.sends.put(Reject(stream, exc))
+            if not isinstance(exc, (InvalidRequestError, EngineBusyError)):
+                self.log.error(f"exspec: add_request failed: {traceback.format_exc()}")
+            self.sends.put(Reject(stream.sender, exc, stream.tag_error_codes, stream.request_id))
 
 
 def _request_parameters(request) -> dict:

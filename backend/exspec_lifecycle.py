@@ -43,7 +43,8 @@ UNHEALTHY = "Model is unavailable due to unhealthy vLLM engine"
 
 class Lifecycle:
     def __init__(self, drain_file: str | None, drain_timeout_s: float, tick_timeout_s: float | None,
-                 unload_when_dead: str | None = None):
+                 log, unload_when_dead: str | None = None):
+        self.log = log
         self.unload_when_dead = unload_when_dead   # the model to unload once dead (health check)
         self.drain_file = drain_file
         self.drain_timeout_s = drain_timeout_s
@@ -72,7 +73,7 @@ class Lifecycle:
         if self.drain_deadline is None:
             self.intake_open = False
             self.drain_deadline = time.monotonic() + self.drain_timeout_s
-            pb_utils.Logger.log_info(
+            self.log.info(
                 f"exspec: draining ({reason}): new requests are refused; "
                 f"{in_flight} in flight get up to {self.drain_timeout_s:g} s to finish")
 
@@ -83,13 +84,13 @@ class Lifecycle:
             return
         if not streams:
             if not self.drained.is_set():
-                pb_utils.Logger.log_info("exspec: drained: no request in flight")
+                self.log.info("exspec: drained: no request in flight")
                 self.drained.set()
             return
         if time.monotonic() >= self.drain_deadline:
             late = [s for s in streams.values() if not s.shutting_down]
             if late:
-                pb_utils.Logger.log_warn(f"exspec: drain deadline passed; ending {len(late)} "
+                self.log.warn(f"exspec: drain deadline passed; ending {len(late)} "
                                          "requests in flight")
             for stream in late:
                 stream.shutting_down = True
@@ -101,7 +102,7 @@ class Lifecycle:
         self.intake_open = False
         sends.put(Drain("finalize"))
         if not self.drained.wait(timeout=self.drain_timeout_s + FINALIZE_DRAIN_S):
-            pb_utils.Logger.log_warn("exspec: finalize: requests still in flight after the drain")
+            self.log.warn("exspec: finalize: requests still in flight after the drain")
 
     # -- the engine stopping -----------------------------------------------------------------
     def stop_engine(self, message: str, in_flight: int) -> str:
@@ -112,7 +113,7 @@ class Lifecycle:
                          "cannot serve until the server is restarted")
             if self.unload_when_dead:
                 self.dead = f"{UNHEALTHY}: {self.dead}"
-            pb_utils.Logger.log_error(f"exspec: {self.dead}; ending {in_flight} "
+            self.log.error(f"exspec: {self.dead}; ending {in_flight} "
                                       "requests in flight")
             if self.unload_when_dead:
                 # its own thread: the unload calls finalize, which joins the calling send thread
@@ -121,12 +122,14 @@ class Lifecycle:
 
     def _unload(self):
         name = self.unload_when_dead
-        pb_utils.Logger.log_error(f"exspec: the engine is not healthy; unloading model {name} "
+        self.log.error(f"exspec: the engine is not healthy; unloading model {name} "
                                   "(ENABLE_VLLM_HEALTH_CHECK)")
         try:
+            # the one Triton call off the send thread: made once, on a thread of its own, since
+            # the unload runs finalize, which joins the send thread
             pb_utils.unload_model(name)
         except Exception as exc:   # e.g. not in explicit model control mode
-            pb_utils.Logger.log_error(
+            self.log.error(
                 f"exspec: could not unload model {name}: {exc}; Triton unloads a model only "
                 "under --model-control-mode=explicit (the model stays loaded, refusing requests, "
                 "and not ready on Triton 26.03 and later)")
@@ -141,7 +144,7 @@ class Lifecycle:
             return None
         frame = sys._current_frames().get(engine_thread.ident)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)\n"
-        pb_utils.Logger.log_error(f"exspec: a tick has run past tick_timeout_s "
+        self.log.error(f"exspec: a tick has run past tick_timeout_s "
                                   f"({self.tick_timeout_s:g} s); the engine thread is at:\n{stack}")
         return f"a tick ran past tick_timeout_s ({self.tick_timeout_s:g} s)"
 

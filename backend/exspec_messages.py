@@ -1,7 +1,8 @@
 """What the other threads put on the send thread's queue: the send thread's whole inbox.
 
 Triton's thread registers and rejects requests, the engine thread hands over ticks and says
-when a step failed or the engine died, the drain starts a drain; STOP ends the send thread.
+when a step failed or the engine died, the drain starts a drain, any thread hands over a log
+line (exspec_log); STOP ends the send thread.
 """
 from __future__ import annotations
 
@@ -17,8 +18,18 @@ class Register:
 
 @dataclass
 class Reject:
-    stream: Stream
+    """A request refused before the engine took it: the send thread counts it and sends its
+    one (error) response."""
+    sender: object
     error: Exception
+    tag_error_codes: bool = False
+    request_id: str | None = None   # once registered: its stream is dropped too
+
+
+@dataclass
+class LogLine:
+    level: str   # info, warn or error
+    text: str
 
 
 @dataclass

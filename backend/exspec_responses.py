@@ -121,8 +121,9 @@ def triton_error(exc: Exception, tag: bool):
     return new_error(f"[{code}] {exc}" if tag else str(exc), code)
 
 
-def send_error(sender, err):
+def send_error(sender, err, log):
+    """On the send thread only (exspec_log)."""
     try:
         sender.send(pb_utils.InferenceResponse(output_tensors=[], error=err), flags=FINAL)
     except Exception as send_exc:
-        pb_utils.Logger.log_warn(f"exspec: could not send an error response: {send_exc}")
+        log.warn(f"exspec: could not send an error response: {send_exc}")

@@ -1,7 +1,9 @@
 """The send thread: the one path responses leave by. It owns every in-flight request's state
 (a Stream per request id), turns the engine's outputs into responses, polls `is_cancelled` (a
 round trip, so on a timer, not per token) and aborts cancelled requests, updates the metrics,
-and runs the drain and the tick watchdog between items (design: "The Triton adapter")."""
+answers refused requests, writes the log, and runs the drain and the tick watchdog between
+items (design: "The Triton adapter"). It is the one thread that calls Triton's metrics, response
+senders and logger while the model serves (exspec_log says why)."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +15,8 @@ import traceback
 import triton_python_backend_utils as pb_utils
 
 from exspec import EngineBusyError, RequestOutput
-from exspec_messages import STOP, Drain, EngineDead, Register, Reject, StepFailed, Tick
+from exspec_log import write
+from exspec_messages import STOP, Drain, EngineDead, LogLine, Register, Reject, StepFailed, Tick
 from exspec_responses import (FINAL, code_name, new_error, response, send_error,
                               speculation_tensors, triton_error)
 from exspec_stream import Stream, pieces
@@ -22,8 +25,9 @@ CANCEL_POLL_S = 0.1          # how often the send thread asks Triton about cance
 
 
 class SendThread:
-    def __init__(self, sends, engine, engine_thread, lifecycle, metrics, k: int):
+    def __init__(self, sends, engine, engine_thread, lifecycle, metrics, log, k: int):
         self.sends = sends
+        self.log = log
         self.engine = engine
         self.engine_thread = engine_thread   # for the watchdog
         self.lifecycle = lifecycle
@@ -46,6 +50,7 @@ class SendThread:
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self):
+        self.log.owner = threading.get_ident()
         next_poll = time.monotonic() + CANCEL_POLL_S
         while True:
             try:
@@ -58,11 +63,24 @@ class SendThread:
                 self._handle(item)
                 next_poll = self._between_items(next_poll)
             except Exception:
-                pb_utils.Logger.log_error(f"exspec: send path: {traceback.format_exc()}")
+                self.log.error(f"exspec: send path: {traceback.format_exc()}")
+        self._handle_left_over()
         for stream in list(self._streams.values()):   # nothing may end without a final flag
             self._finish_with_error(stream, new_error(
                 "the model was unloaded before this request finished", "UNAVAILABLE"), "error")
         self.metrics.idle()
+        self.log.owner = None   # finalize writes its own lines from here on
+
+    def _handle_left_over(self):
+        """What reached the queue behind STOP: log lines, and requests refused or registered
+        just before intake closed (each still gets its one response)."""
+        while True:
+            try:
+                item = self.sends.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, (LogLine, Reject, Register)):
+                self._handle(item)
 
     def _between_items(self, next_poll: float) -> float:
         """The watchdog, the cancellation poll (when due) and the drain; returns the next
@@ -91,8 +109,11 @@ class SendThread:
                     EngineBusyError(self.lifecycle.dead), item.stream.tag_error_codes), "error")
         elif isinstance(item, Reject):
             self.metrics.rejected()
-            self._streams.pop(item.stream.request_id, None)
-            send_error(item.stream.sender, triton_error(item.error, item.stream.tag_error_codes))
+            if item.request_id is not None:
+                self._streams.pop(item.request_id, None)
+            send_error(item.sender, triton_error(item.error, item.tag_error_codes), self.log)
+        elif isinstance(item, LogLine):
+            write(item)
         elif isinstance(item, Drain):
             self.lifecycle.start_drain(item.reason, len(self._streams))
         elif isinstance(item, EngineDead):
@@ -111,7 +132,7 @@ class SendThread:
             elif output.new_token_ids or not output.finished:
                 # Its final response is already out (or the adapter failed it): the engine
                 # broke "one finished output per request"; the client never sees this.
-                pb_utils.Logger.log_warn(
+                self.log.warn(
                     f"exspec: dropped an engine output for {output.request_id} after its "
                     f"final response ({len(output.new_token_ids)} tokens)")
         if tick.stats is not None:
@@ -133,7 +154,7 @@ class SendThread:
             if not stream.cancelled and stream.sender.is_cancelled():
                 stream.cancelled = True
                 # the vLLM backend's words too: log watchers (and its CI) look for them
-                pb_utils.Logger.log_info("[vllm] Cancelling the request")
+                self.log.info("[vllm] Cancelling the request")
                 self.engine.abort(stream.request_id)
 
     # -- one engine output -------------------------------------------------------------------
@@ -180,8 +201,8 @@ class SendThread:
     def _final_error(self, stream: Stream, out: RequestOutput):
         """The error (and metrics outcome) that ends an aborted or failed request."""
         if stream.cancelled:
-            pb_utils.Logger.log_info(f"exspec: request {stream.request_id} cancelled by its client")
-            pb_utils.Logger.log_info("[vllm] Successfully cancelled the request")
+            self.log.info(f"exspec: request {stream.request_id} cancelled by its client")
+            self.log.info("[vllm] Successfully cancelled the request")
             error, outcome = new_error("request cancelled", "CANCELLED"), "cancelled"
         elif out.finish_reason == "abort":
             why = (f"the server is shutting down and the drain deadline "
@@ -189,7 +210,7 @@ class SendThread:
                    if stream.shutting_down else "aborted")
             error, outcome = new_error(f"request not completed: {why}", "UNAVAILABLE"), "abort"
         else:
-            pb_utils.Logger.log_error(f"exspec: request {stream.request_id} failed: {out.error}")
+            self.log.error(f"exspec: request {stream.request_id} failed: {out.error}")
             last_line = (out.error or "unknown error").strip().splitlines()[-1]
             error, outcome = new_error(f"generation failed: {last_line}", "INTERNAL"), "error"
         if stream.tag_error_codes:
@@ -213,7 +234,7 @@ class SendThread:
         try:
             stream.sender.send(response, flags=FINAL if final else 0)
         except Exception as exc:   # the client is gone; the request still ends here
-            pb_utils.Logger.log_warn(f"exspec: send to {stream.request_id} failed: {exc}")
+            self.log.warn(f"exspec: send to {stream.request_id} failed: {exc}")
 
     def _finish_with_error(self, stream: Stream, error, outcome: str, out: RequestOutput | None = None):
         self._streams.pop(stream.request_id, None)

@@ -10,7 +10,8 @@ This file is Triton's table of contents; each part has its own module:
 - exspec_lifecycle: the drain, the tick watchdog and the orphan guard;
 - exspec_config (what the model reads at load), exspec_request (parsing), exspec_responses (what
   is sent), exspec_messages (the send queue's items), exspec_stream (one request's state),
-  exspec_metrics.
+  exspec_metrics, exspec_log (the log, written by the send thread while it runs).
+While the model serves, only the send thread calls Triton's metrics, response senders and logger.
 No decoding or scheduling lives here (design: "The Triton adapter" has the contract and the
 response rules).
 """
@@ -26,6 +27,7 @@ from exspec_config import drain_settings, engine_config, health_check, parameter
 from exspec_engine_thread import EngineThread
 from exspec_intake import INPUTS, Intake
 from exspec_lifecycle import FINALIZE_DRAIN_S, Lifecycle, start_orphan_guard
+from exspec_log import Log
 from exspec_metrics import Metrics
 from exspec_responses import OUTPUTS
 from exspec_send import SendThread
@@ -58,14 +60,15 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(f"exspec: loading {config}")
         self.engine = LLMEngine(config)
         self.metrics = self._metrics(args)
-        self.lifecycle = Lifecycle(*drain_settings(self.model_config), config.tick_timeout_s,
-                                   unload_when_dead)
         self.sends = queue.Queue()   # everything the send thread handles
-        self.engine_thread = EngineThread(self.engine, self.sends, self.lifecycle)
+        self.log = Log(self.sends)
+        self.lifecycle = Lifecycle(*drain_settings(self.model_config), config.tick_timeout_s,
+                                   self.log, unload_when_dead)
+        self.engine_thread = EngineThread(self.engine, self.sends, self.lifecycle, self.log)
         k = config.num_speculative_tokens if config.speculative else 0
         self.send_thread = SendThread(self.sends, self.engine, self.engine_thread,
-                                      self.lifecycle, self.metrics, k)
-        self.intake = Intake(self.engine, self.sends, self.lifecycle, self.metrics,
+                                      self.lifecycle, self.metrics, self.log, k)
+        self.intake = Intake(self.engine, self.sends, self.lifecycle, self.log,
                              per_token=config.stream_granularity == "token")
         self.engine_thread.start()
         self.send_thread.start()
@@ -83,7 +86,7 @@ class TritonPythonModel:
     def _log_ready(self, config):
         warm = self.engine.warm_up
         path = "eager" if warm is None else f"compiled ({warm.describe()})"
-        pb_utils.Logger.log_info(f"exspec: model {self.model_name} ready on {config.device}, "
+        self.log.info(f"exspec: model {self.model_name} ready on {config.device}, "
                                  f"{self.engine.threads.describe()}, decode path {path}")
 
     def execute(self, requests):
@@ -103,4 +106,4 @@ class TritonPythonModel:
         self.lifecycle.drain_for_unload(self.sends)
         engine_ended = self.engine_thread.stop(grace_s=FINALIZE_DRAIN_S)
         self.send_thread.stop(engine_ended)
-        pb_utils.Logger.log_info("exspec: finalized")
+        self.log.info("exspec: finalized")
