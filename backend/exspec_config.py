@@ -63,14 +63,26 @@ def parameter(model_config: dict, name: str) -> str:
     return model_config.get("parameters", {}).get(name, {}).get("string_value", "").strip()
 
 
-def health_check(model_config: dict) -> bool:
-    """config.pbtxt parameter ENABLE_VLLM_HEALTH_CHECK ("true" / "false", the vLLM backend's):
-    unload the model once its engine is dead."""
-    raw = parameter(model_config, "ENABLE_VLLM_HEALTH_CHECK").lower()
+def _switch(model_config: dict, name: str) -> bool | None:
+    """A "true" / "false" config.pbtxt parameter; None when absent."""
+    raw = parameter(model_config, name).lower()
     if raw not in ("", "true", "false"):
-        raise ValueError(f"config.pbtxt parameter ENABLE_VLLM_HEALTH_CHECK must be \"true\" or "
-                         f"\"false\", got {raw!r}")
-    return raw == "true"
+        raise ValueError(f"config.pbtxt parameter {name} must be \"true\" or \"false\", got {raw!r}")
+    return None if raw == "" else raw == "true"
+
+
+def vllm_health_check(model_config: dict) -> bool:
+    """config.pbtxt parameter ENABLE_VLLM_HEALTH_CHECK (the vLLM backend's, default "false"):
+    a dead engine answers in the vLLM backend's words, and unloads."""
+    return bool(_switch(model_config, "ENABLE_VLLM_HEALTH_CHECK"))
+
+
+def unload_when_dead(model_config: dict) -> bool:
+    """config.pbtxt parameter unload_when_dead (default "true"; ENABLE_VLLM_HEALTH_CHECK
+    "true" turns it on too): unload the model once its engine is dead, so that its ready
+    endpoint fails on any Triton version (Triton before 26.03 never asks the model's is_ready)."""
+    own = _switch(model_config, "unload_when_dead")
+    return vllm_health_check(model_config) or own is None or own
 
 
 def drain_settings(model_config: dict) -> tuple[str | None, float]:

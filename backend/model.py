@@ -23,7 +23,8 @@ import queue
 import triton_python_backend_utils as pb_utils
 
 from exspec.engine.llm_engine import LLMEngine
-from exspec_config import drain_settings, engine_config, health_check, parameter, vllm_stats_disabled
+from exspec_config import (drain_settings, engine_config, parameter, unload_when_dead,
+                           vllm_health_check, vllm_stats_disabled)
 from exspec_engine_thread import EngineThread
 from exspec_intake import INPUTS, Intake
 from exspec_lifecycle import FINALIZE_DRAIN_S, Lifecycle, start_orphan_guard
@@ -56,14 +57,15 @@ class TritonPythonModel:
                              "{ decoupled: true } in config.pbtxt (or leave it out)")
         self.model_name = args["model_name"]
         config = engine_config(args)
-        unload_when_dead = self.model_name if health_check(self.model_config) else None
+        unload = self.model_name if unload_when_dead(self.model_config) else None
+        vllm_words = vllm_health_check(self.model_config)
         pb_utils.Logger.log_info(f"exspec: loading {config}")
         self.engine = LLMEngine(config)
         self.metrics = self._metrics(args)
         self.sends = queue.Queue()   # everything the send thread handles
         self.log = Log(self.sends)
         self.lifecycle = Lifecycle(*drain_settings(self.model_config), config.tick_timeout_s,
-                                   self.log, unload_when_dead)
+                                   self.log, unload, vllm_words)
         self.engine_thread = EngineThread(self.engine, self.sends, self.lifecycle, self.log)
         k = config.num_speculative_tokens if config.speculative else 0
         self.send_thread = SendThread(self.sends, self.engine, self.engine_thread,

@@ -214,6 +214,6 @@ def test_refusals_of_every_kind_beside_streams_leave_the_server_up_and_outputs_e
     assert rel_server.process.poll() is None, "tritonserver died under the storm"
     assert not errors, errors[:3]
     assert not failures, failures[:5]
-    assert ready(rel_server) and ready(rel_server, MODEL)
+    assert ready(rel_server, MODEL)
     assert counts["innocent"] > 20 and counts["refused"] > 20 and counts["http refused"] > 5, counts
     assert counts["busy retries"] > 0, f"nothing was refused busy: {counts}"

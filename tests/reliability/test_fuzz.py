@@ -192,7 +192,8 @@ class AdapterLog:
 
 
 def report(name, counts: Counter, server, log: AdapterLog):
-    assert ready(server) and ready(server, MODEL), f"{name}: server or model not ready after fuzzing"
+    # the model's own readiness: the server's counts models the fault tests left dead
+    assert ready(server, MODEL), f"{name}: model not ready after fuzzing"
     time.sleep(0.5)   # the stub's log lines reach the server log a moment after the response
     log.check("", "one of the last cases")
     print(f"\n{name}: {sum(counts.values())} cases: {dict(counts)}; crashes 0, hangs 0")

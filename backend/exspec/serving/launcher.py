@@ -40,6 +40,10 @@ from .ports import PortReservation, ports_in_use, reserve_ports
 # initialized", "Failed to initialize NVML" and "DCGM unable to start": harmless, but alarming.
 CPU_ONLY_FLAGS = ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0",
                   "--allow-gpu-metrics=false"]
+# Unless the caller picks a model control mode: explicit, every model loaded at start, so that a
+# model whose engine died can unload itself and its ready endpoint fail (Triton before 26.03
+# never asks a Python model whether it is ready; design.md, "The Triton adapter").
+EXPLICIT_CONTROL = ["--model-control-mode=explicit", "--load-model=*"]
 
 
 def has_nvidia_gpu() -> bool:
@@ -207,6 +211,8 @@ class TritonServer:
             cmd.append(f"--cache-directory={dist.caches}")
         if not has_nvidia_gpu():   # no pinned pool or GPU metrics to set up: no CUDA/NVML/DCGM errors
             cmd += CPU_ONLY_FLAGS
+        if _last_flag(self.extra_args, "--model-control-mode") is None:
+            cmd += EXPLICIT_CONTROL
         cmd += self.extra_args
         # Own process group, so a Ctrl-C in the terminal reaches the launcher only and the
         # launcher decides how the server stops.
