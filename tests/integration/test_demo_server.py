@@ -20,3 +20,4 @@ def test_demo_server_answers_chat_questions_on_the_real_pair(capsys):
     assert "Paris" in joined, joined   # question 2, "What is the capital of France?", over curl
     assert "== 3. OpenAI chat completion" in out, out
     assert out.rstrip().endswith("stopped."), out[-500:]
+    assert "/v2/models/smollm2/generate_stream" in out, out   # the model `make serve` serves

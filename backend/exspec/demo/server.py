@@ -30,12 +30,13 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..models.real_pair import QUESTIONS, chat_prompt, demo_proposer, ensure_pair, write_repository
+from ..models.real_pair import (QUESTIONS, SERVED_NAME, chat_prompt, demo_proposer, ensure_pair,
+                                write_repository)
 from ..serving.launcher import TritonServer
 from ..serving.openai_frontend import DEFAULT_FRONTEND
 from ..serving.ports import reserve_ports
 
-MODEL = "exspec"
+MODEL = SERVED_NAME   # as `make serve` names it: the demo's printed curl works against it too
 DEMO_QUESTIONS = [QUESTIONS[0][1], QUESTIONS[4][1], QUESTIONS[8][1]]   # coding, qa, writing
 
 
