@@ -118,3 +118,5 @@ def test_the_engine_demo_runs_side_by_side_on_the_demo_pair(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "2/2 outputs identical to target-only greedy" in out and "speed-up" in out, out
+    from exspec.utils.machine import processor_name
+    assert f"on {processor_name()}, 1 torch thread(s)" in out, out   # the figure names its machine

@@ -21,6 +21,7 @@ import torch
 from .. import EngineConfig, LLMEngine, SamplingParams
 from ..bench.methods import Method, run_interleaved, stats_delta
 from ..models.loading import load_pair
+from ..utils.machine import processor_name
 
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
 FALLBACK_PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n\n", "for i in range(10):\n"]
@@ -121,6 +122,9 @@ def main(argv=None) -> int:
         from ..models.real_pair import demo_proposer
         proposer = demo_proposer(pair)
     print(f"{REAL_PAIR[proposer] if args.real else 'given pair' if args.pair else TOY_PAIR} ({pair})")
+    print(f"on {processor_name()}, {torch.get_num_threads()} torch thread(s) (--threads); the "
+          "speed-up depends on the processor: where verifying a few tokens costs much more than "
+          "one, adaptive k decodes mostly plainly")
     prompts = prompts[:args.num_prompts]
     params = SamplingParams(max_tokens=args.max_tokens)
     engines = _engines(pair, args.method, args.k, args.batch_size, proposer)
