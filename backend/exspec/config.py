@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -19,6 +20,22 @@ LOOKUP_PROPOSERS = ("ngram", "suffix")   # no draft model: proposals looked up o
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAP_POLICIES = ("auto", "balanced", "balanced_low_0", "sequential")
 STREAM_GRANULARITIES = ("token", "step")
+
+# The speculative keys' bounds, inclusive (the suffix factor's low end excluded: > 0). Beyond
+# them a key costs the engine thread more than it can pay back: adaptive k's per-length tables
+# grow as k^2 (1.7 ms a step at k = 64 on the 2-core CPU, 19 ms at 256), a suffix tree's first
+# proposal as its depth (20 s at depth 512 for a 16k-token prompt), an n-gram index as
+# prompt_lookup_max^2 (11 s and 1.2 GiB for one 16k-token prompt at 128).
+SPECULATIVE_BOUNDS = {   # k last: vLLM's suffix method defaults k to the tree's depth
+    "prompt_lookup_min": (1, 16),
+    "prompt_lookup_max": (1, 16),
+    "suffix_decoding_max_tree_depth": (1, 64),
+    "suffix_decoding_max_cached_requests": (0, 1_000_000),
+    "suffix_decoding_max_cached_tokens": (0, 100_000_000),
+    "suffix_decoding_max_spec_factor": (0, 64),
+    "suffix_decoding_min_token_prob": (0, 1),
+    "num_speculative_tokens": (0, 64),
+}
 
 
 PATH_KEYS = ("target_model", "draft_model", "tokenizer")
@@ -78,6 +95,8 @@ class EngineConfig:
                                           # longest substring indexed, so the longest match
     suffix_decoding_max_cached_requests: int = 10000  # suffix: earlier outputs the global tree
                                           # keeps (oldest evicted; 0: no global tree)
+    suffix_decoding_max_cached_tokens: int = 1_000_000  # suffix: their tokens, in all (~200
+                                          # bytes each; oldest evicted; not a vLLM key)
     suffix_decoding_max_spec_factor: float = 1.0      # suffix: a match of m tokens proposes at
                                           # most factor x m
     suffix_decoding_min_token_prob: float = 0.1       # suffix: a proposal stops where its path's
@@ -131,17 +150,16 @@ class EngineConfig:
         if self.proposer in LOOKUP_PROPOSERS and self.draft_model:
             raise ValueError(f"proposer {self.proposer!r} proposes without a draft model; drop "
                              "draft_model")
-        if self.proposer == "suffix":
-            self._check_suffix()
-        elif self.proposer == "ngram":
-            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-                raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy "
-                                 f"1 <= min <= max, got {self.prompt_lookup_min} and "
-                                 f"{self.prompt_lookup_max}")
-        elif self.proposer == "eagle3" and self.speculative and not self.draft_model:
+        self._check_speculative()
+        if self.proposer == "ngram" and self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy "
+                             f"1 <= min <= max, got {self.prompt_lookup_min} and "
+                             f"{self.prompt_lookup_max}")
+        if self.proposer == "eagle3" and self.speculative and not self.draft_model:
             raise ValueError("proposer 'eagle3' needs draft_model: the EAGLE-3 head's folder "
                              "(vLLM: speculative_config.model)")
-        elif self.speculative and not self.draft_model:   # k = 0: the layout alone, no drafts
+        elif (self.proposer not in LOOKUP_PROPOSERS and self.speculative
+              and not self.draft_model):   # k = 0: the layout alone, no drafts
             raise ValueError(f"method {self.method!r} needs a draft_model (or proposer 'ngram' "
                              "or 'suffix')")
         if self.sampling_coupling not in COUPLINGS:
@@ -154,9 +172,6 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device_map is not None:
             self._check_device_map()
-        for name in ("num_speculative_tokens",):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_batch_size", "max_num_seqs", "max_queue_len", "max_output_tokens",
                      "default_max_tokens", "max_request_bytes"):
             if getattr(self, name) < 1:
@@ -202,16 +217,16 @@ class EngineConfig:
         if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
             raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
 
-    def _check_suffix(self) -> None:
-        ranges = (("suffix_decoding_max_tree_depth", 1, None), ("suffix_decoding_max_cached_requests", 0, None),
-                  ("suffix_decoding_max_spec_factor", 1e-9, None), ("suffix_decoding_min_token_prob", 0, 1))
-        for name, low, high in ranges:
+    def _check_speculative(self) -> None:
+        """Every speculative key finite and within SPECULATIVE_BOUNDS, whatever the proposer (a
+        NaN passes every comparison: `nan < 0` is false; Python's json reads NaN and Infinity)."""
+        for name, (low, high) in SPECULATIVE_BOUNDS.items():
             value = getattr(self, name)
-            if value < low or (high is not None and value > high):
-                bound = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
-                if name == "suffix_decoding_max_spec_factor":
-                    bound = "> 0"
-                raise ValueError(f"{name} must be {bound}, got {value!r}")
+            open_low = name == "suffix_decoding_max_spec_factor"   # 0 would propose nothing
+            inside = low < value <= high if open_low else low <= value <= high
+            if not (math.isfinite(value) and inside):
+                bound = f"{'(' if open_low else '['}{low}, {high}]"
+                raise ValueError(f"{name} must be a finite number in {bound}, got {value!r}")
 
     def _check_types(self) -> None:
         """Each plain field holds its own type (model.json is typed JSON: a 2.0 where an integer

@@ -38,8 +38,10 @@ DTYPE_SPELLINGS = {"half": "float16", "float": "float32", "bf16": "bfloat16", "f
 
 VLLM_DEFAULT_MAX_TOKENS = 16   # vLLM's SamplingParams.max_tokens default
 
+# the last is exspec's own (vLLM caps the global tree by requests only): a cap on its tokens
 SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+               "suffix_decoding_max_cached_tokens")
 SPECULATIVE_KEYS = ("model", "method", "num_speculative_tokens", "draft_tensor_parallel_size",
                     "prompt_lookup_max", "prompt_lookup_min", *SUFFIX_KEYS)
 

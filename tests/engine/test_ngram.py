@@ -165,7 +165,7 @@ def test_each_row_feeds_the_target_only_its_own_proposal(pairs, cyclic, method):
     target, successor = cyclic
     engine = ngram_engine(pairs, target, method=method, max_batch_size=4)
     fed, steps = [], []   # real tokens per target step forward; per step, each row's proposal
-    forward, propose, step = engine.runner.forward, engine.runner.proposer.propose_row, engine.runner.step
+    forward, propose, step = engine.runner.forward, engine.runner.proposer.propose_indexed, engine.runner.step
 
     def counting_forward(model, kv, ids, pos, valid, counts, keep, decode=True):
         if decode:
@@ -181,7 +181,7 @@ def test_each_row_feeds_the_target_only_its_own_proposal(pairs, cyclic, method):
         return step(group, k, *args)
 
     engine.runner.forward = counting_forward
-    engine.runner.proposer.propose_row, engine.runner.step = recording_propose, recording_step
+    engine.runner.proposer.propose_indexed, engine.runner.step = recording_propose, recording_step
     # two rows that follow the cycles (they propose) and two random ones (they seldom match)
     prompts = walk_prompts(successor, 2) + make_prompts(320, 0, seed=3, count=8)[-2:]
     engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))

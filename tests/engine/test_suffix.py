@@ -143,6 +143,42 @@ def test_only_requests_that_end_as_asked_enter_the_global_tree_and_it_stays_boun
     assert proposer.propose_row(Row([9, 40, 41], []), 3) == [42, 43]   # m = 2 caps it at 2
 
 
+def test_the_global_tree_holds_at_most_max_cached_tokens_evicting_the_oldest_first():
+    """Capped by tokens as well as requests (a few long answers outweigh thousands of short
+    ones): past the cap the oldest outputs go, whole, until the rest fit; an output longer than
+    the cap never enters (it would evict everything, itself too)."""
+    proposer = SuffixProposer(max_tree_depth=6, max_cached_tokens=10)
+
+    class Row:
+        def __init__(self, output):
+            self.tokens, self.num_prompt_tokens = [1] + output, 1
+
+        @property
+        def output_ids(self):
+            return self.tokens[1:]
+
+    answers = [[40, 41, 42, 43], [50, 51, 52, 53], [60, 61, 62, 63]]
+    for answer in answers:
+        proposer.request_done(Row(answer), "stop")
+    assert len(proposer.global_tree) == 2 and proposer.cached_tokens == 8   # 12 > 10: one went
+    assert proposer.global_tree.root.count == 8
+    assert proposer.global_tree.count([40, 41]) == 0, "the oldest answer should have gone"
+    assert proposer.global_tree.count([50, 51]) == proposer.global_tree.count([60, 61]) == 1
+    proposer.request_done(Row(list(range(100, 111))), "length")   # 11 tokens: over the cap
+    assert proposer.cached_tokens == 8 and proposer.global_tree.count([100, 101]) == 0
+    proposer.request_done(Row([70, 71, 72, 73, 74, 75, 76, 77, 78]), "stop")   # 9: only it fits
+    assert len(proposer.global_tree) == 1 and proposer.global_tree.root.count == 9
+    assert proposer.global_tree.count([60, 61]) == 0 and proposer.global_tree.count([70, 71]) == 1
+
+
+def test_the_engine_passes_max_cached_tokens_to_the_proposer(pairs, cyclic):
+    engine = make_engine(pairs, target_model=cyclic[0], draft_model=None, proposer="suffix",
+                         num_speculative_tokens=4, suffix_decoding_max_cached_tokens=7)
+    assert engine.proposer.max_cached_tokens == 7
+    engine.generate([[3, 4, 5]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(engine.proposer.global_tree) == 0   # 8 output tokens: over the cap
+
+
 def test_the_engine_with_suffix_decoding_is_exact_and_learns_across_requests(pairs, cyclic):
     """A request repeating an earlier answer is proposed that answer from the global tree (the
     prompt alone holds nothing to look up) and keeps it; every output equals target-only."""

@@ -61,12 +61,13 @@ def test_speculative_config_suffix_takes_vllms_keys_and_defaults(pairs):
     config = EngineConfig.from_dict(vllm_json(pairs, speculative_config={
         "method": "suffix", "suffix_decoding_max_tree_depth": 12, "num_speculative_tokens": 6,
         "suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 2.0,
-        "suffix_decoding_min_token_prob": 0.2}))
+        "suffix_decoding_min_token_prob": 0.2, "suffix_decoding_max_cached_tokens": 5000}))
     engine = LLMEngine(config)
     proposer = engine.runner.proposer
     assert engine.draft is None and isinstance(proposer, SuffixProposer)
     assert (config.num_speculative_tokens, proposer.max_tree_depth, proposer.max_cached_requests,
-            proposer.max_spec_factor, proposer.min_token_prob) == (6, 12, 0, 2.0, 0.2)
+            proposer.max_spec_factor, proposer.min_token_prob,
+            proposer.max_cached_tokens) == (6, 12, 0, 2.0, 0.2, 5000)
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -75,7 +76,7 @@ def test_speculative_config_suffix_takes_vllms_keys_and_defaults(pairs):
     ("speculative_config", {"method": "ngram", "suffix_decoding_max_tree_depth": 3},
      "only for method 'suffix'"),
     ("speculative_config", {"method": "suffix", "suffix_decoding_min_token_prob": -0.1},
-     r"suffix_decoding_min_token_prob must be in \[0, 1\]"),
+     r"suffix_decoding_min_token_prob must be a finite number in \[0, 1\], got -0.1"),
     ("speculative_config", {"method": "suffix", "suffix_decoding_max_tree_depth": 2.0},
      "suffix_decoding_max_tree_depth"),
     ("tensor_parallel_size", 2, "tensor_parallel_size = 2 is not supported"),

@@ -109,7 +109,8 @@ def proposer_for(config: EngineConfig, pair: ModelPair, pad_id: int) -> Proposer
         return SuffixProposer(config.suffix_decoding_max_tree_depth,
                               config.suffix_decoding_max_cached_requests,
                               config.suffix_decoding_max_spec_factor,
-                              config.suffix_decoding_min_token_prob)
+                              config.suffix_decoding_min_token_prob,
+                              config.suffix_decoding_max_cached_tokens)
     return DraftModelProposer(pair.draft, PaddedVocab.of(pair.target, pair.draft, pair.tokenizer, pad_id))
 
 

@@ -63,6 +63,11 @@ class StepCost:
     """
 
     LEVEL_EMA = 0.1     # of the level and of a draft forward's seconds, per step (~10 steps)
+    # a step counts in those averages at most this factor off them, either way: one outlier
+    # (a one-off index build, a pause) moves a price by at most LEVEL_EMA x 1, 10%, gone within
+    # a few steps; counted whole, one 100x draft step priced speculation out of adaptive k for
+    # a thousand plain steps (plain steps do not measure drafts). The host's +-20% swings pass.
+    OUTLIER = 2.0
     RATIO_MEMORY = 5    # measurements a width's ratio is the median of
     PLAIN_SAMPLES = 3   # warm plain steps that price a bucket's widths (one alone: +-7%)
     SCATTER = 0.1       # prior of one step's relative scatter around its width's median ...
@@ -206,8 +211,7 @@ class StepCost:
         rest = max(seconds - draft_seconds, 1e-9)
         if k > 0:
             per_draft = draft_seconds / k
-            costs.draft = per_draft if costs.draft is None else (
-                costs.draft + self.LEVEL_EMA * (per_draft - costs.draft))
+            costs.draft = per_draft if not costs.draft else self._toward(costs.draft, per_draft)
         if k not in costs.seen:   # a width's first step here runs cold: it teaches nothing
             costs.seen.add(k)
             return
@@ -223,7 +227,7 @@ class StepCost:
             costs.yardstick = k   # the running width moved here
             costs.reprice()
         if k == costs.yardstick:   # the level follows the host's speed
-            costs.level += self.LEVEL_EMA * (rest / ratio[k] - costs.level)
+            costs.level = self._toward(costs.level, rest / ratio[k])
         else:   # another width: a ratio to the yardstick's level
             costs.reprice()
             recent = samples.setdefault(k, [])
@@ -238,6 +242,11 @@ class StepCost:
         costs.last_k = k
         if costs.yardstick == 0 or len(samples.get(0, ())) >= self.PLAIN_SAMPLES:
             costs.priced = True
+
+    def _toward(self, average: float, seen: float) -> float:
+        """One step of a moving average toward `seen`, clipped to OUTLIER times the average."""
+        seen = min(max(seen, average / self.OUTLIER), average * self.OUTLIER)
+        return average + self.LEVEL_EMA * (seen - average)
 
 
 def _closest(bucket: int, candidates: list[int]) -> int | None:

@@ -3,8 +3,16 @@ suffix decoding): no model, no KV cache, no forward.
 
 Their proposals are known when the step is planned, so each row proposes its own number of
 tokens, a constrained row only what its grammar accepts, and the verification input ([pending,
-proposal] per row, left-padded) goes up in the step's one upload. A subclass says only how a row
-proposes (`propose_row`) and what it keeps per request.
+proposal] per row, left-padded) goes up in the step's one upload. A subclass says only how a row's
+tokens are indexed (`index`), how it proposes from them (`propose_indexed`) and what it keeps per
+request.
+
+Each step a row's index takes in the tokens the row committed since the last one, and a new
+row's prompt a share of `index_budget` tokens a step across the group (each row may always index
+what one step commits), timed as prefill, not as drafting. Indexed at once, a 16k-token prompt
+stalled its whole group ~0.8 s (suffix tree) at its first step, and, timed as drafting, priced
+speculation out of adaptive k for a thousand steps. Until its prompt is indexed, a row proposes
+from the part that is.
 """
 from __future__ import annotations
 
@@ -38,17 +46,34 @@ class StandaloneRow:
 class LookupProposer(Proposer):
     proposes = True
     proposes_on_host = True
+    index_budget = 1024   # tokens a step indexes across its rows (subclasses scale it by cost)
+
+    def index(self, row: Row, budget: int | None = None) -> int:
+        """Index up to `budget` more of the row's tokens (None: all of them); returns how many."""
+        raise NotImplementedError
+
+    def propose_indexed(self, row: Row, k: int) -> list[int]:
+        """Up to k tokens for this row from what is indexed of it; [] for none."""
+        raise NotImplementedError
 
     def propose_row(self, row: Row, k: int) -> list[int]:
-        """Up to k tokens for this row; [] for none (public: the cost benches and the replay
-        call it outside a step)."""
-        raise NotImplementedError
+        """Up to k tokens for this row, its tokens all indexed first (public: the cost benches
+        and the replay call it outside a step)."""
+        self.index(row)
+        return self.propose_indexed(row, k)
 
     def plan(self, runner: Runner, seqs, k: int, width_for=None) -> Plan:
         if k == 0:
             return Plan(0, [0] * len(seqs))
+        # one-off work, bounded a step: the pool leaves prefill time out of the step's price
+        with runner.stats.timer("prefill"):
+            budget, indexed = self.index_budget, 0
+            for s in seqs:   # each row indexes at least what a step commits, to stay current
+                done = self.index(s, max(budget, k + 1))
+                budget, indexed = budget - done, indexed + done
+        runner.stats.add("indexed_tokens", indexed)
         with runner.stats.timer("draft"):
-            proposals = [self.propose_row(s, s.drafts_at(k)) for s in seqs]
+            proposals = [self.propose_indexed(s, s.drafts_at(k)) for s in seqs]
             # a constrained row proposes only what its grammar accepts
             proposals = [p if s.grammar is None else p[:s.grammar.valid_prefix(p)]
                          for s, p in zip(seqs, proposals)]

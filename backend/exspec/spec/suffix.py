@@ -3,11 +3,11 @@
 Two kinds of suffix tree propose: each request's own, over its prompt and output (extended as it
 commits tokens), and one global tree over the outputs of earlier requests that ended with `stop`
 or `length` (an aborted or failed request's output never enters it), holding at most
-`max_cached_requests` of them (the oldest evicted first). For a row, every suffix of its last
-tokens up to the trees' depth that occurred before is a match; from a match of m tokens the
-proposal follows the most frequent continuation, a token at a time, while the path's probability
-(the product of count(child) / count(parent)) stays at or above `min_token_prob`, for at most
-min(k, floor(max_spec_factor * m)) tokens; of all matches in both trees the proposal with the
+`max_cached_requests` of them and `max_cached_tokens` tokens in all (the oldest evicted first).
+For a row, every suffix of its last tokens up to the trees' depth that occurred before is a
+match; from a match of m tokens the proposal follows the most frequent continuation, a token at
+a time, while the path's probability (the product of count(child) / count(parent)) stays at or
+above `min_token_prob`, for at most min(k, floor(max_spec_factor * m)) tokens; of all matches in both trees the proposal with the
 highest score (the sum of its tokens' path probabilities) wins. So a row proposes many tokens
 where it repeats something seen often, and none where nothing matches. A proposal is only a
 proposal: the target verifies it as it verifies any other (design: "Proposers").
@@ -65,12 +65,15 @@ class SuffixTree:
     def __len__(self) -> int:
         return len(self._tokens)
 
-    def extend(self, seq_id: int, tokens: list[int]) -> None:
-        """Index `tokens` (the sequence's whole list, which only grows) up to its end."""
+    def extend(self, seq_id: int, tokens: list[int], budget: int | None = None) -> int:
+        """Index `tokens` (the sequence's whole list, which only grows) up to its end, at most
+        `budget` more tokens (None: all); returns how many it indexed. A lazy leaf may point
+        past what is indexed: those tokens did follow it."""
         if seq_id not in self._tokens:
             self._tokens[seq_id], self._cursors[seq_id], self._covered[seq_id] = tokens, [], 0
-        cursors = self._cursors[seq_id]
-        for t in range(self._covered[seq_id], len(tokens)):
+        cursors, start = self._cursors[seq_id], self._covered[seq_id]
+        end = len(tokens) if budget is None else min(len(tokens), start + budget)
+        for t in range(start, end):
             tok = tokens[t]
             self.root.count += 1
             moved = []
@@ -79,7 +82,8 @@ class SuffixTree:
                 if child is not None and child.depth < self.max_depth:
                     moved.append(child)
             cursors[:] = moved
-        self._covered[seq_id] = len(tokens)
+        self._covered[seq_id] = end
+        return end - start
 
     def _step_in(self, node: _Node, tok: int, tokens: list[int], after: int) -> _Node | None:
         """One more occurrence of node's substring followed by `tok`: the child's count grows
@@ -204,28 +208,38 @@ class SuffixProposer(LookupProposer):
     learns_across_requests = True   # the global tree of earlier outputs
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000,
-                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1):
+                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
+                 max_cached_tokens: int = 1_000_000):
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
+        self.max_cached_tokens = max_cached_tokens
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
+        # a token costs up to one step per depth: 256 tokens a step at depth 24, a median 2-16 ms
+        # on this (shared, 2-core) CPU for a 16k-token prompt repeating itself, the dearest case
+        self.index_budget = max(64, 6144 // max_tree_depth)
         # each row's own tree, while its sequence lives (freed at its request's end, or with it)
         self.local: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.global_tree = SuffixTree(max_tree_depth)
-        self.cached: OrderedDict[int, None] = OrderedDict()   # global sequences, oldest first
+        # global sequences, oldest first, with their lengths: the cap is on tokens too
+        # (~200 bytes each), since a few long answers outweigh thousands of short ones
+        self.cached: OrderedDict[int, int] = OrderedDict()
+        self.cached_tokens = 0
         self._next_id = 0
         # the engine thread proposes and ends requests; an abort may end one from another
         self.lock = threading.Lock()
 
-    def propose_row(self, row: Row, k: int) -> list[int]:
-        if k <= 0:
-            return []
+    def index(self, row: Row, budget: int | None = None) -> int:
         tree = self.local.get(row)
         if tree is None:
             tree = self.local[row] = SuffixTree(self.max_tree_depth)
-        tree.extend(0, row.tokens)
+        return tree.extend(0, row.tokens, budget)
+
+    def propose_indexed(self, row: Row, k: int) -> list[int]:
+        if k <= 0:
+            return []
         args = (k, self.max_spec_factor, self.min_token_prob)
-        own, own_score = tree.speculate(row.tokens, *args)
+        own, own_score = self.local[row].speculate(row.tokens, *args)
         with self.lock:
             if not len(self.global_tree):
                 return own
@@ -236,17 +250,24 @@ class SuffixProposer(LookupProposer):
         with self.lock:
             self.global_tree = SuffixTree(self.max_tree_depth)
             self.cached.clear()
+            self.cached_tokens = 0
 
     def request_done(self, row: Row, reason: str) -> None:
-        """A request's tree goes; its output joins the global tree if it ended as asked."""
+        """A request's tree goes; its output joins the global tree if it ended as asked, and
+        the oldest outputs leave it past max_cached_requests or max_cached_tokens."""
         self.local.pop(row, None)
         output = list(row.output_ids)
         if reason not in ("stop", "length") or not output or self.max_cached_requests == 0:
             return
+        if len(output) > self.max_cached_tokens:   # it would evict everything, itself too
+            return
         with self.lock:
             seq_id, self._next_id = self._next_id, self._next_id + 1
             self.global_tree.extend(seq_id, output)
-            self.cached[seq_id] = None
-            while len(self.cached) > self.max_cached_requests:
-                oldest, _ = self.cached.popitem(last=False)
+            self.cached[seq_id] = len(output)
+            self.cached_tokens += len(output)
+            while (len(self.cached) > self.max_cached_requests
+                   or self.cached_tokens > self.max_cached_tokens):
+                oldest, length = self.cached.popitem(last=False)
                 self.global_tree.remove(oldest)
+                self.cached_tokens -= length

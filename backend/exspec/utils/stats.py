@@ -16,7 +16,7 @@ COUNTERS = ("steps", "equal_length_steps", "realign_steps", "plain_steps", "stic
             "draft_stopped_steps",
             "draft_tokens", "accepted_tokens", "committed_tokens", "row_steps",
             "prefill_tokens_target", "prefill_tokens_draft", "realign_bytes", "isolated_rows",
-            "cut_proposal_tokens", "draft_forwards")
+            "cut_proposal_tokens", "draft_forwards", "indexed_tokens")
 PHASES = ("schedule", "prefill", "draft", "verify", "realign", "step")
 
 
