@@ -114,9 +114,12 @@ class Metrics:
         self.requests = {o: requests(outcome=o) for o in OUTCOMES}
         self.prompt_tokens = family("exspec:prompt_tokens_total", C, "Prompt tokens of finished requests")()
         self.generation_tokens = family("exspec:generation_tokens_total", C, "Generated tokens")()
-        self.draft_tokens = family("exspec:draft_tokens_total", C, "Draft tokens proposed")()
+        # the engine's draft_tokens / accepted_tokens: what the responses' total_draft_tokens
+        # and total_accepted_draft_tokens count (Sequence.count_drafts)
+        self.draft_tokens = family("exspec:draft_tokens_total", C,
+                                   "Draft tokens verified, at positions the output reached")()
         self.accepted_tokens = family("exspec:accepted_draft_tokens_total", C,
-                                      "Draft tokens accepted by the target")()
+                                      "Draft tokens accepted by the target and kept in the output")()
         steps = family("exspec:steps_total", C, "Engine steps by kind (all = every step)")
         self.steps = {kind: steps(kind=kind) for kind in ("all", *STEP_KINDS)}
         self.realign_bytes = family("exspec:realign_bytes_total", C,

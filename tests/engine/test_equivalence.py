@@ -101,13 +101,24 @@ def test_rounds_stopped_at_an_unsure_draft_match_target_greedy(pairs, reference,
 def test_auto_draft_stop_calibrates_on_every_verified_draft_and_matches_target_greedy(
         pairs, reference, monkeypatch, method, batch):
     """The "auto" stop (draft_stop.py) sees each step's draft confidences through the step's
-    one device-to-host copy: with its decay off, the accepted drafts it counted are exactly the
-    engine's accepted_tokens (every step is planned at k = 5, so every step is observed, stopped
-    or not: where auto stops depends on measured step times), and outputs stay the target's
-    greedy ones."""
+    one device-to-host copy: with its decay off, the accepted drafts it counted are exactly those
+    the target accepted in the steps planned at k >= 2 (every step is planned at k = 5 but near
+    a row's max_tokens, where k is what the rows have left; each of those steps is observed,
+    stopped or not: where auto stops depends on measured step times), and outputs stay the
+    target's greedy ones."""
+    from exspec.engine.runner import ModelRunner
     from exspec.spec.draft_stop import DraftStop
     monkeypatch.setattr(AdaptiveK, "choose", lambda self, group, cap, *rest: cap)
     monkeypatch.setattr(DraftStop, "DECAY", 1.0)
+    accepted = []   # per step planned at k >= 2 (one a stop could cut), its accepted drafts
+    step = ModelRunner.step
+
+    def counted_step(self, group, k, *rest):
+        result = step(self, group, k, *rest)
+        if k >= 2:
+            accepted.append(sum(result.num_accepted))
+        return result
+    monkeypatch.setattr(ModelRunner, "step", counted_step)
     prompts = make_prompts(320, pairs["gpt2", "eos"], seed=43, count=8)
     max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
     engine = make_engine(pairs, "gpt2", "noisy", method=method, adaptive_k=True,
@@ -116,5 +127,5 @@ def test_auto_draft_stop_calibrates_on_every_verified_draft_and_matches_target_g
     assert_equivalent(outs, prompts, max_tokens, reference, pairs["gpt2", "target"], GPT2_MAX_POS,
                       label=f"{method} B={batch} auto stop")
     stats, stop = engine.stats(), engine.pool.scheduler.draft_stop
-    assert sum(stop.accepted) == pytest.approx(stats["accepted_tokens"])
-    assert stats["accepted_tokens"] < sum(stop.verified) <= stats["draft_tokens"]
+    assert sum(stop.accepted) == pytest.approx(sum(accepted))
+    assert sum(accepted) < sum(stop.verified) <= stats["draft_tokens"]

@@ -100,7 +100,10 @@ def replay_one(proposer, trace: Trace, k: int) -> Tally:
         row.tokens += new
         tally.steps += 1
         tally.tokens += len(new)
-        tally.proposed += len(proposal)
+        # as the engine counts drafts (Sequence.count_drafts): in the step that ends the output,
+        # only those at positions it reached
+        ended = at + len(new) == len(out)
+        tally.proposed += min(len(proposal), len(new)) if ended else len(proposal)
         tally.kept += kept
     proposer.request_done(row, "stop")
     return tally

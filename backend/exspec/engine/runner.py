@@ -58,6 +58,7 @@ class StepResult:
     committed: list[list[int]]   # per row, after stop truncation
     num_accepted: list[int]      # per row, accepted drafts (before stop truncation)
     k: int                       # drafts per row this step ran (fewer than planned if stopped)
+    verified: list[int] | None = None   # per row, the drafts it may keep (its cap at k)
     confidence_bins: list[list[int]] | None = None   # per row, its drafts' (with `stop`)
     proposed: list[int] | None = None   # per row, drafts verified when rows differ (n-gram)
     lengths: list[int] | None = None    # ... and its proposal's length before a priced cut
@@ -317,15 +318,15 @@ class ModelRunner:
         kept = torch.minimum(num_accepted, inputs.caps)
         verified = [min(c, k) for c in plan.caps]
         cut_dev = (k if uniform else inputs.caps) - kept   # the target's rejected entries per row
-        committed, accepted = self._commit(group, k, host, lp, verified, uniform, cut_dev,
-                                           checked=blocked is not None)
+        committed, accepted, counted = self._commit(group, k, host, lp, verified, uniform, cut_dev,
+                                                    checked=blocked is not None)
         self.proposer.commit(state, k, accepted, kept)
         if group.processing is not None:   # the device's own committed tokens: no copy back up
             group.processing.advance(tokens, kept, [m + a + 1 for m, a in zip(lengths, accepted)])
         proposed = None if uniform else verified
-        self._count(seqs, k, accepted, committed, verified)
+        self._count(seqs, k, committed, counted)
         bins_at = k + 2 if blocked is None else 2 * k + 3
-        return StepResult(committed, accepted, k,
+        return StepResult(committed, accepted, k, verified,
                           None if bins is None else [row[bins_at:] for row in host], proposed,
                           plan.lengths)
 
@@ -425,15 +426,17 @@ class ModelRunner:
                 blocked)
 
     def _commit(self, group: Group, k: int, host, lp, verified: list[int], uniform: bool,
-                cut_dev: torch.Tensor, checked: bool = False) -> tuple[list[list[int]], list[int]]:
+                cut_dev: torch.Tensor, checked: bool = False):
         """Per row: commit the accepted drafts and the bonus token (stop rules apply, I5), then
         cut the target's cache back to I3 on the host and, from the device's own counts
         on the device: no copy back up.
         `verified`: per row, the drafts it may keep; `uniform`: every row fed k + 1 tokens (else
         its own verified + 1); `cut_dev`: the target's cut per row, on the device; `checked`:
         host rows carry, after the tokens, whether each position allowed no token: a row
-        commits up to the first such position and ends there with an error."""
-        committed, accepted, target_cut = [], [], []
+        commits up to the first such position and ends there with an error.
+        Returns per row the tokens committed, the drafts accepted (what the caches keep) and
+        the drafts counted as (verified, accepted): `Sequence.count_drafts`'s."""
+        committed, accepted, counted, target_cut = [], [], [], []
         for row, seq in enumerate(group.seqs):
             self.faults.before_row(seq)
             a = min(host[row][0], verified[row])
@@ -448,10 +451,15 @@ class ModelRunner:
             fed = k if uniform else verified[row]
             target_cut.append(fed - a)   # the target holds m + fed, keeps m + a
             seq.num_cached_target = m + a
-            if verified[row] > 0:   # the drafts it could keep (its own cap, not the group's k)
+            # the drafts it could keep (its own cap, not the group's k); where the output ended
+            # in this step, only those at positions it reached (a stop inside an accepted run)
+            reached = len(committed[-1]) if seq.finished else verified[row] + 1
+            counted.append((min(verified[row], reached), min(a, reached)))
+            seq.count_drafts(*counted[-1])
+            if verified[row] > 0:
                 seq.observe_acceptance(a, verified[row])
         group.target_kv.drop_tail(target_cut, cut_dev)
-        return committed, accepted
+        return committed, accepted, counted
 
     def _coupled(self, rows: RowSampling) -> bool:
         """True when tokens are argmaxes (greedy, or gumbel noise) and acceptance is agreement."""
@@ -470,7 +478,8 @@ class ModelRunner:
         q = probs_from_logits(logits[:, None], rows)[:, 0]
         return sample(q, u), q
 
-    def _count(self, seqs, k, accepted, committed, verified: list[int]) -> None:
+    def _count(self, seqs, k, committed, counted: list[tuple[int, int]]) -> None:
+        """The step in the engine's stats; drafts as the rows counted them (`_commit`)."""
         s = self.stats
         s.add("steps")
         s.add_step(len(seqs), k)
@@ -479,6 +488,7 @@ class ModelRunner:
         if k == 0:
             s.add("plain_steps")
         else:
+            verified, accepted = [v for v, _ in counted], [a for _, a in counted]
             s.add("draft_tokens", sum(verified))
             s.add("accepted_tokens", sum(accepted))
             s.add_depths(verified, accepted)

@@ -134,10 +134,14 @@ class Scheduler:
         caps = [s.params.num_speculative_tokens for s in group.seqs]
         if all(c is not None for c in caps):
             k = min(k, max(caps))
-        # Verification feeds positions up to len-1+k, which must exist in both models. (No cap
-        # by max_tokens: it would make a seeded request's k schedule, and so its samples,
-        # depend on the other rows of its group.)
+        # Verification feeds positions up to len-1+k, which must exist in both models.
         k = max(0, min(k, min(s.max_model_len - s.num_tokens for s in group.seqs)))
+        # Each row drafts no more than the tokens it has left (Sequence.drafts_at), so the group
+        # needs no more than its rows' most. Only under gumbel: its noise is keyed by position,
+        # so a row's samples do not depend on k; rejection sampling draws a row's uniforms per
+        # step width, and a cap there would make its samples depend on its neighbours' lengths.
+        if self.config.sampling_coupling == "gumbel":
+            k = min(k, max(s.tokens_left for s in group.seqs))
         if self.adaptive is not None and k > 0:
             k = self.adaptive.choose(group, k, self.per_step)
         return k
@@ -169,5 +173,4 @@ class Scheduler:
             self.adaptive.observe(len(group), result.k, seconds, draft_seconds, result.num_accepted,
                                   result.proposed, result.lengths)
         if self.draft_stop is not None and result.confidence_bins is not None:
-            caps = [s.drafts_at(result.k) for s in group.seqs]
-            self.draft_stop.observe(result.confidence_bins, result.num_accepted, caps)
+            self.draft_stop.observe(result.confidence_bins, result.num_accepted, result.verified)

@@ -114,14 +114,27 @@ class Sequence:
         texts, self.token_texts = self.token_texts, []
         return texts
 
-    def drafts_at(self, k: int) -> int:
-        """Drafts this row may have verified in a step at k (its own num_speculative_tokens caps it)."""
-        cap = self.params.num_speculative_tokens
-        return k if cap is None else min(k, cap)
+    @property
+    def tokens_left(self) -> int:
+        """Tokens the row may still commit before max_tokens or max_model_len ends it."""
+        return min(self.max_tokens - self.num_output_tokens, self.max_model_len - self.num_tokens)
 
-    def observe_acceptance(self, accepted: int, proposed: int, decay: float = 0.8) -> None:
+    def drafts_at(self, k: int) -> int:
+        """Drafts this row may have verified in a step at k: its own num_speculative_tokens caps
+        it, and so do the tokens it has left (a draft past them could never be committed)."""
+        cap = self.params.num_speculative_tokens
+        return max(0, min(k, self.tokens_left) if cap is None else min(k, cap, self.tokens_left))
+
+    def count_drafts(self, proposed: int, accepted: int) -> None:
+        """A step's drafts as the output shows them: of those verified, the ones at positions the
+        output reached, and of those accepted, the ones committed (a stop or the length inside
+        an accepted run truncates both with the output). The request's counters, and the
+        engine's draft_tokens / accepted_tokens, count these."""
         self.num_draft_tokens += proposed
         self.num_accepted_draft_tokens += accepted
+
+    def observe_acceptance(self, accepted: int, proposed: int, decay: float = 0.8) -> None:
+        """A step's verification (before any stop truncation): the acceptance estimate's input."""
         self.recent_accepted = decay * self.recent_accepted + accepted
         self.recent_rejections = decay * self.recent_rejections + (accepted < proposed)
 
