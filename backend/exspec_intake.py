@@ -21,6 +21,8 @@ INPUTS = [
     {"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
     {"name": "messages", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    # HTTP generate's top-level "stop": [...] (an array reaches a model only as an input)
+    {"name": "stop", "data_type": "TYPE_STRING", "dims": [-1], "optional": True},
     *({"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for name in FLAG_INPUTS),
 ]
 

@@ -105,12 +105,16 @@ def parse_request(inputs: dict, parameters: str | dict | None,
         raise InvalidRequestError("give messages (a chat) or text_input or input_ids, not two")
     prompt = None if messages is not None else _prompt(inputs)
     sampling = _sampling_json(inputs.get("sampling_parameters"))
-    for key, value in _request_parameters(parameters).items():
+    given = dict.fromkeys(sampling, "sampling_parameters")
+    more = [(key, value, "request parameter") for key, value in _request_parameters(parameters).items()]
+    if inputs.get("stop") is not None:
+        more.append(("stop", _stop_input(inputs["stop"]), "stop input"))
+    for key, value, where in more:
         if key in sampling and not _same_value(key, sampling[key], value):
             raise InvalidRequestError(
                 f"sampling parameter {key!r} given twice with different values "
-                f"(sampling_parameters: {sampling[key]!r}, request parameter: {value!r})")
-        sampling[key] = value
+                f"({given[key]}: {sampling[key]!r}, {where}: {value!r})")
+        sampling[key], given[key] = value, where
     values = {}
     for key, value in sampling.items():
         if value is None:
@@ -174,6 +178,15 @@ def _messages(value) -> list[dict] | None:
             raise InvalidRequestError(f"messages[{i}] must be an object with string role and "
                                       f"content, e.g. {example}; got {str(message)[:100]!r}")
     return messages
+
+
+def _stop_input(value) -> str | list[str]:
+    """The `stop` input (STRING [-1]): HTTP generate's top-level `"stop": ["a", "b"]` arrives as
+    this tensor, as Triton turns a JSON array only into an input, never into a parameter. One
+    element is read like the parameter's string (a stop string, or a JSON list as text)."""
+    flat = [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v
+            for v in np.asarray(value, dtype=object).reshape(-1)]
+    return flat[0] if len(flat) == 1 else flat
 
 
 def _structured(values: dict) -> None:

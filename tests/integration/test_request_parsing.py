@@ -229,3 +229,23 @@ def test_malformed_messages_are_named(raw, needle):
         parse(text_input=None, messages=_text(raw))
     with pytest.raises(InvalidRequestError, match="not two"):
         parse(messages=_text('[{"role": "user", "content": "hi"}]'))
+
+
+def _strings(*values):
+    return np.array([v.encode() for v in values], dtype=np.object_)
+
+
+@pytest.mark.parametrize("tensor,expected", [
+    (_strings("five", "six"), ["five", "six"]),   # HTTP generate's top-level "stop": [...]
+    (_strings("five"), ["five"]),
+    (_strings('["a", "b"]'), ["a", "b"]),         # one element reads like the parameter's string
+])
+def test_the_stop_input_holds_the_stop_strings(tensor, expected):
+    assert parse(stop=tensor).params.stop == expected
+
+
+def test_stop_given_twice_with_different_values_names_both_places():
+    sampling = np.array([json.dumps({"stop": ["a"]}).encode()], dtype=np.object_)
+    assert parse(stop=_strings("a"), sampling_parameters=sampling).params.stop == ["a"]
+    with pytest.raises(InvalidRequestError, match=r"'stop' given twice .*sampling_parameters: \['a'\], stop input"):
+        parse(stop=_strings("b", "c"), sampling_parameters=sampling)
