@@ -221,9 +221,11 @@ def test_vllm_layout_variants_load_alike(saved, tmp_path):
         target.get_input_embeddings().weight   # shared, not copied
 
 
-def _edit(folder, tmp_path, config=None, weights=None, name="edited"):
+def _edit(folder, tmp_path, config=None, weights=None, files=None, name="edited"):
     out = tmp_path / name
     shutil.copytree(folder, out)
+    if files:
+        files(out)
     if config:
         raw = json.loads((out / "config.json").read_text())
         config(raw)
@@ -270,3 +272,61 @@ def test_model_json_takes_vllms_eagle3_config_and_refuses_it_without_a_head(save
     _, _, folder = saved
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_head(str(folder / "nowhere"), llama(VOCAB, seed=1, layers=4, hidden=64), torch.float32, "cpu")
+
+
+def _truncate(folder):
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+
+
+def _corrupt_bin(folder):
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not a zip archive")
+
+
+BROKEN = {   # case: (edit, words the error must hold besides the folder)
+    "truncated safetensors": (dict(files=_truncate), ["model.safetensors cannot be read",
+                                                       "incomplete metadata"]),
+    "garbage safetensors": (dict(files=lambda f: (f / "model.safetensors").write_bytes(b"\xff" * 64)),
+                            ["model.safetensors cannot be read", "SafetensorError"]),
+    "corrupt bin": (dict(files=_corrupt_bin), ["pytorch_model.bin cannot be read",
+                                                 "failed reading zip archive"]),
+    "config not JSON": (dict(files=lambda f: (f / "config.json").write_text("{hidden_size: 64")),
+                        ["config.json is not valid JSON", "line 1 column 2"]),
+    "config a list": (dict(files=lambda f: (f / "config.json").write_text("[64]")),
+                      ["config.json holds a list"]),
+    "hidden size a string": (dict(config=lambda c: c.update(hidden_size="64")),
+                             ["hidden_size is '64'", "positive integer"]),
+    "no attention heads": (dict(config=lambda c: c.update(num_attention_heads=0)),
+                           ["num_attention_heads is 0", "positive integer"]),
+    "eps a string": (dict(config=lambda c: c.update(rms_norm_eps="small")),
+                     ["do not make a Llama config", "rms_norm_eps"]),
+    "float layer ids": (dict(config=lambda c: c["eagle_config"].update(
+        eagle_aux_hidden_state_layer_ids=[0.0, 2.0, 3.0])), ["layers [0.0, 2.0, 3.0]", "integer ids"]),
+    "unknown activation": (dict(config=lambda c: c.update(hidden_act="swishy")),
+                           ["hidden_act 'swishy'", "silu"]),
+    "unknown rope type": (dict(config=lambda c: c.update(rope_parameters={"rope_type": "bogus",
+                                                                          "rope_theta": 1e4})),
+                          ["rope type 'bogus'", "llama3"]),
+    "NaN weight": (dict(weights=lambda w: w["fc.weight"].__setitem__((0, 0), float("nan"))),
+                   ["weight fc.weight holds NaN or Inf"]),
+    "Inf weight": (dict(weights=lambda w: w["lm_head.weight"].__setitem__((1, 2), float("-inf"))),
+                   ["weight lm_head.weight holds NaN or Inf"]),
+    "int8 weight": (dict(weights=lambda w: w.update({"fc.weight": w["fc.weight"].to(torch.int8)})),
+                    ["weight fc.weight is torch.int8, not floating point"]),
+    "float d2t": (dict(weights=lambda w: w.update(d2t=w["d2t"].float())),
+                  ["d2t is torch.float32", "integer offsets"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_a_broken_head_folder_is_one_load_error_naming_the_folder_and_the_cause(saved, tmp_path, case):
+    """A bad file or value is a ModelLoadError that names the head's folder and what is wrong,
+    never a library's raw exception, and never a head that loads with poisoned weights."""
+    target, _, folder = saved
+    edit, words = BROKEN[case]
+    broken = _edit(folder, tmp_path, **edit)
+    with pytest.raises(ModelLoadError) as err:
+        load_head(broken, target, torch.float32, "cpu")
+    for w in [f"EAGLE-3 head {broken}"] + words:
+        assert w in str(err.value), f"{case}: {w!r} not in {str(err.value)!r}"

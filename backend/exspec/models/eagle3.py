@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import LlamaConfig
+from transformers.activations import ACT2FN
 from transformers.masking_utils import create_causal_mask
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaMLP,
                                                       LlamaPreTrainedModel, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
@@ -171,15 +173,61 @@ def _target_shape(target) -> tuple[int, int, int]:
     return cfg.hidden_size, cfg.num_hidden_layers, target.get_output_embeddings().weight.shape[0]
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+def _read_weights(folder: Path, where: str) -> dict[str, torch.Tensor]:
     for name in WEIGHTS:
         path = folder / name
         if path.exists():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-                return load_file(str(path))
-            return torch.load(path, map_location="cpu", weights_only=True)
-    raise ModelLoadError(f"EAGLE-3 head {folder}: no weights ({' or '.join(WEIGHTS)})")
+            try:
+                if name.endswith(".safetensors"):
+                    from safetensors.torch import load_file
+                    return load_file(str(path))
+                return torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:   # each format fails in its own words; the cause is the file
+                raise ModelLoadError(f"{where}: {name} cannot be read ({type(exc).__name__}: "
+                                     f"{exc}); it is truncated or corrupt: download or save it "
+                                     "again") from exc
+    raise ModelLoadError(f"{where}: no weights ({' or '.join(WEIGHTS)})")
+
+
+def _check_values(weights: dict[str, torch.Tensor], where: str) -> None:
+    """Floating-point, finite weights (an int8 tensor would be cast silently on load, a NaN
+    would spread into every draft); d2t holds integer offsets."""
+    for name, tensor in weights.items():
+        if name == "d2t":
+            if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
+                raise ModelLoadError(f"{where}: d2t is {tensor.dtype}; it holds integer offsets "
+                                     "(draft id -> target id)")
+        elif not tensor.dtype.is_floating_point:
+            raise ModelLoadError(f"{where}: weight {name} is {tensor.dtype}, not floating point "
+                                 "(a quantized head is not supported): save it in float32, "
+                                 "float16 or bfloat16")
+        elif not torch.isfinite(tensor).all():
+            raise ModelLoadError(f"{where}: weight {name} holds NaN or Inf values: the checkpoint "
+                                 "is corrupt or its training diverged")
+
+
+def _read_config(path: Path, where: str) -> dict:
+    """config.json as a dict, its values that would fail deep inside transformers (or load
+    and then fail at the first draft) checked here."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except ValueError as exc:   # not JSON, or not UTF-8
+        raise ModelLoadError(f"{where}: config.json is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{where}: config.json holds a {type(raw).__name__}; it must be a "
+                             "JSON object")
+    if not isinstance(raw.get("eagle_config") or {}, dict):
+        raise ModelLoadError(f"{where}: config.json's eagle_config must be a JSON object")
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = raw.get(key, 1)   # absent: transformers' default
+        if type(value) is not int or value <= 0:
+            raise ModelLoadError(f"{where}: config.json's {key} is {value!r}; it must be a "
+                                 "positive integer")
+    act = raw.get("hidden_act", "silu")
+    if act not in ACT2FN:
+        raise ModelLoadError(f"{where}: config.json's hidden_act {act!r} is not an activation "
+                             f"transformers knows ({', '.join(sorted(ACT2FN))})")
+    return raw
 
 
 def _checkpoint_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -195,13 +243,22 @@ def _checkpoint_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def load_head(folder: str, target, dtype: torch.dtype, device) -> Eagle3Head:
     """An EAGLE-3 head for `target` from `folder` (config.json + weights, vLLM's layout); what
-    does not fit the target is refused with both sides named."""
-    path = Path(folder).expanduser()
-    if not (path / "config.json").exists():
-        raise ModelLoadError(f"EAGLE-3 head {folder}: no config.json there (method 'eagle3' needs "
-                             "speculative_config.model: a head's folder)")
-    raw = json.loads((path / "config.json").read_text())
+    does not fit the target is refused with both sides named. Every failure is one
+    ModelLoadError naming the folder and the cause."""
     where = f"EAGLE-3 head {folder}"
+    try:
+        return _load_head(Path(folder).expanduser(), where, target, dtype, device)
+    except ModelLoadError:
+        raise
+    except Exception as exc:   # whatever the checks do not name is still this folder's fault
+        raise ModelLoadError(f"{where} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+
+
+def _load_head(path: Path, where: str, target, dtype: torch.dtype, device) -> Eagle3Head:
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{where}: no config.json there (method 'eagle3' needs "
+                             "speculative_config.model: a head's folder)")
+    raw = _read_config(path, where)
     if not set(raw.get("architectures") or ()) & set(ARCHITECTURES):
         raise ModelLoadError(f"{where}: architectures {raw.get('architectures')} is not an EAGLE-3 "
                              f"head ({' or '.join(ARCHITECTURES)})")
@@ -217,13 +274,24 @@ def load_head(folder: str, target, dtype: torch.dtype, device) -> Eagle3Head:
     if raw.get("vocab_size") != vocab:
         raise ModelLoadError(f"{where} has a target vocabulary of {raw.get('vocab_size')}, the "
                              f"target has {vocab} logits: it was made for another target")
-    ids = tuple(eagle.get("eagle_aux_hidden_state_layer_ids") or default_layer_ids(layers))
-    if len(ids) != 3 or any(not 0 <= i < layers for i in ids):
-        raise ModelLoadError(f"{where} reads the target's layers {list(ids)}, the target has "
-                             f"{layers} (ids 0-{layers - 1}, three of them)")
-    config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "eagle_config")})
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids") or default_layer_ids(layers)
+    if (not isinstance(ids, (list, tuple)) or len(ids) != 3
+            or any(type(i) is not int or not 0 <= i < layers for i in ids)):
+        raise ModelLoadError(f"{where} reads the target's layers {ids}, the target has "
+                             f"{layers} (integer ids 0-{layers - 1}, three of them)")
+    ids = tuple(ids)
+    try:
+        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "eagle_config")})
+    except Exception as exc:   # transformers' own type checks of the values
+        raise ModelLoadError(f"{where}: config.json's values do not make a Llama config "
+                             f"({type(exc).__name__}: {exc})") from exc
+    rope = (config.rope_parameters or {}).get("rope_type", "default")
+    if rope != "default" and rope not in ROPE_INIT_FUNCTIONS:
+        raise ModelLoadError(f"{where}: config.json's rope type {rope!r} is not one transformers "
+                             f"knows (default, {', '.join(ROPE_INIT_FUNCTIONS)})")
     config.draft_vocab_size = raw.get("draft_vocab_size") or vocab
-    weights = _checkpoint_names(_read_weights(path))
+    weights = _checkpoint_names(_read_weights(path, where))
+    _check_values(weights, where)
     if config.draft_vocab_size != vocab and "d2t" not in weights:
         raise ModelLoadError(f"{where} drafts over {config.draft_vocab_size} ids of the target's "
                              f"{vocab} but has no d2t (draft id -> target id) in its weights")
