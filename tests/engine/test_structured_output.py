@@ -324,3 +324,42 @@ def test_real_pair_schema_output_is_target_only_and_valid():
             assert out.finish_reason == "stop", out.text
             jsonschema.validate(json.loads(out.text), schema)
         assert outs[2].text != outs[0].text
+
+
+def _exploding_grammar() -> dict:
+    """A grammar so ambiguous (each "a" can end any of 22 rules, 40 of them in a row) that its
+    parser passes llguidance's item limits once output starts: it compiles, then the grammar
+    engine gives up mid-output."""
+    alternatives = " | ".join(" ".join(["e"] * n) for n in range(2, 24))
+    return {"grammar": f'start: {" ".join(["e"] * 40)}\ne: {alternatives} | "a"'}
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "exspec"])
+def test_a_grammar_past_the_engines_limits_ends_with_the_engines_reason(pair, method):
+    """The grammar engine's own reason reaches the request, not only 'no token is allowed'."""
+    engine = make_engine(pair, method, k=4)
+    out = engine.generate([PROMPTS[0]], [SamplingParams(max_tokens=48, structured_outputs=_exploding_grammar())])[0]
+    assert out.finish_reason == "error", (out.finish_reason, out.text)
+    # llguidance's words, e.g. "Too many items (limit 50000; ff_tokens)"
+    reason = out.error.partition("the grammar engine stopped: ")[2]
+    assert out.error.startswith("no token is allowed") and "limit" in reason, out.error
+    assert set(out.text) == {"a"}, out.text   # the output before the limit is kept
+
+
+@pytest.mark.parametrize("form", ["object", "text", "request text"])
+def test_a_schema_nested_too_deeply_is_an_invalid_request_naming_the_nesting(pair, form):
+    """Nesting past what a JSON parser takes (Python's recursion limit) is the request's fault,
+    refused at admission, not a RecursionError from inside the engine."""
+    depth = 5000
+    text = '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+    if form == "object":
+        schema = {"type": "string"}
+        for _ in range(depth):
+            schema = {"type": "object", "properties": {"a": schema}}
+        spec = {"json": schema}
+    else:
+        spec = {"json": text} if form == "text" else '{"json": %s}' % text
+    engine = make_engine(pair, "exspec", k=2)
+    with pytest.raises(InvalidRequestError, match="nested too deeply"):
+        engine.add_request("deep", "hello", SamplingParams(structured_outputs=spec))
+    assert not engine.has_unfinished()

@@ -114,6 +114,13 @@ def proposer_for(config: EngineConfig, pair: ModelPair, pad_id: int) -> Proposer
     return DraftModelProposer(pair.draft, PaddedVocab.of(pair.target, pair.draft, pair.tokenizer, pad_id))
 
 
+def _error(seq: Sequence) -> str | None:
+    """A row's error, with the grammar engine's own reason where it gave up on the row (a limit
+    it hit leaves no token allowed: the runner's error alone would blame the constraints)."""
+    reason = seq.grammar.error if seq.error and seq.grammar is not None else ""
+    return f"{seq.error}; the grammar engine stopped: {reason}" if reason else seq.error
+
+
 class LLMEngine:
     RELEASE_EVERY_TICKS = 1000
     def __init__(self, config: EngineConfig, pair: ModelPair | None = None):
@@ -365,7 +372,7 @@ class LLMEngine:
             outputs.append(RequestOutput(
                 request_id=seq.request_id, new_token_ids=new_ids,
                 text_delta="".join(texts) if texts else rest, token_texts=texts,
-                finished=seq.finished, finish_reason=seq.finish_reason, error=seq.error,
+                finished=seq.finished, finish_reason=seq.finish_reason, error=_error(seq),
                 num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
                 num_draft_tokens=seq.num_draft_tokens,
                 num_accepted_draft_tokens=seq.num_accepted_draft_tokens,

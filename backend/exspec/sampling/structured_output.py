@@ -13,6 +13,7 @@ default; `disable_any_whitespace: true` (vLLM's field) makes it compact.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,10 +45,7 @@ class StructuredOutput:
         if isinstance(value, StructuredOutput) or value is None:
             return value
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"{where} is not valid JSON ({exc.msg} at position {exc.pos})") from None
+            value = _loads(value, where)
         if not isinstance(value, dict):
             raise InvalidRequestError(f"{where} must be a JSON object with one of {', '.join(KINDS)}")
         unknown = sorted(set(value) - set(KINDS) - set(IGNORED))
@@ -88,18 +86,33 @@ class StructuredOutput:
             raise InvalidRequestError(f"structured_outputs.{self.kind} is invalid: {exc}") from None
 
 
+def _too_deep(where: str) -> str:
+    return (f"{where} is nested too deeply (past Python's recursion limit of "
+            f"{sys.getrecursionlimit()} levels): flatten it, e.g. with $defs and $ref")
+
+
+def _loads(text: str, where: str):
+    """JSON text; a bad or too deeply nested text is the request's fault."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"{where} is not valid JSON ({exc.msg} at position {exc.pos})") from None
+    except RecursionError:   # json's parser recurses once per level
+        raise InvalidRequestError(_too_deep(where)) from None
+
+
 def _text(kind: str, spec, where: str) -> str:
     """A spec as text, checked for its type; a schema given as an object is serialised in its
     own key order (never sorted)."""
     if kind == "json":
         if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"{where}.json is not valid JSON ({exc.msg})") from None
+            spec = _loads(spec, f"{where}.json")
         if not isinstance(spec, (dict, bool)):
             raise InvalidRequestError(f"{where}.json must be a JSON schema (an object), got {spec!r}")
-        return json.dumps(spec)
+        try:
+            return json.dumps(spec)
+        except RecursionError:
+            raise InvalidRequestError(_too_deep(f"{where}.json")) from None
     if kind == "json_object":
         if spec is not True:
             raise InvalidRequestError(f"{where}.json_object must be true, got {spec!r}")
@@ -173,6 +186,15 @@ class RowGrammar:
     def valid_prefix(self, drafts: list[int]) -> int:
         """How many of `drafts` the grammar accepts in a row from here."""
         return self.matcher.validate_tokens(drafts) if drafts else 0
+
+    @property
+    def error(self) -> str:
+        """Why llguidance gave up on this row ('' while it has not): a limit it hit, e.g. "too
+        many expressions constructed". Its masks then allow nothing, so the row ends with "no
+        token is allowed"; this is the reason to add. The first line only: the rest dumps the
+        parser's state."""
+        return self.matcher.get_error().strip().split("\n", 1)[0]
+
 
 _llg_executor = None   # llguidance's executor: fills many matchers' masks, the GIL released
 
