@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -229,8 +231,9 @@ def test_warm_prompts_are_served_untimed_before_each_run_to_a_proposer_that_lear
     runs = ["".join(e for p, e in log if p is cell).split() for cell in cells]
     assert len(cells) == 2 and runs == [["d" * (2 + 4)] * 2] * 2, runs
     assert "4 prompts (after 2 more, served untimed" in (out / "results.md").read_text()
-    with pytest.raises(SystemExit, match="--warm-prompts 6 leaves no prompt"):
+    with pytest.raises(SystemExit):
         main(args + ["--prompt-set", "repeated", "--warm-prompts", "6", "--out", str(out)])
+    assert "--warm-prompts 6 leaves none of --num-prompts 6 to time" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(args + ["--prompt-set", "repeated", "--warm-prompts", "-1", "--out", str(out)])
     assert "--warm-prompts must be >= 0" in capsys.readouterr().err
@@ -433,3 +436,56 @@ def test_draft_stop_reaches_the_engine_cells(bench_inputs):
         cell = EngineMethod(CellKey("exspec", 1, 3, True, None), parsed, 2)
         assert cell.engine.config.draft_stop_confidence == expected
         assert (cell.engine.pool.scheduler.draft_stop is not None) == stops
+
+
+PROMPT = json.dumps({"question_id": 0, "category": "code", "turns": ["def add(a, b):\n"]}) + "\n"
+BAD_FLAGS = {   # case: (the prompts file's text or None for none, flags, words of the error)
+    "missing prompts file": (None, [], "--prompts p.jsonl: No such file or directory"),
+    "prompts not JSONL": ("turns: [a]\n", [], "p.jsonl:1 is not JSON"),
+    "a prompt without turns": (PROMPT + '{"question_id": 1}\n', [],
+                               'p.jsonl:2: "turns" must be a non-empty list of texts'),
+    "batch sizes not numbers": (PROMPT, ["--batch-sizes", "1,x"],
+                                "--batch-sizes: a comma list of batch sizes >= 1, got '1,x'"),
+    "k zero": (PROMPT, ["-k", "0"], "-k must be >= 1, got 0"),
+    "fixed k above k": (PROMPT, ["-k", "3", "--fixed-k", "0,4"], "--fixed-k: a comma list of k's in 0..3"),
+    "no tokens": (PROMPT, ["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+    "draft stop past 1": (PROMPT, ["--draft-stop", "1.5"], "--draft-stop: auto or a confidence in [0, 1)"),
+    "top-p zero": (PROMPT, ["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    "warm prompts leaving none": (PROMPT, ["--num-prompts", "2", "--warm-prompts", "2"],
+                                  "--warm-prompts 2 leaves none of --num-prompts 2 to time"),
+    "target not there": (PROMPT, ["--target", "./no-target"], "--target path does not exist: ./no-target"),
+    "head without config": (PROMPT, ["--eagle3", "."], "--eagle3 .: no config.json there"),
+    "out a file": (PROMPT, ["--out", "p.jsonl"], "--out p.jsonl is a file; give a folder path"),
+    "unknown compile backend": (PROMPT, ["--paths", "compiled", "--compile-backend", "fast"],
+                                "--compile-backend 'fast': not a torch.compile backend"),
+}
+# one case of each kind runs the real command in a process of its own (~10 s each on a busy
+# CPU); the others call its main() here, the same code
+REAL = ("missing prompts file", "prompts not JSONL", "batch sizes not numbers", "k zero",
+        "target not there")
+
+
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_a_bad_flag_or_file_is_one_line_naming_it_before_any_model_loads(tmp_path, capsys,
+                                                                         monkeypatch, case):
+    """A bad file, list or number is argparse's one line (exit code 2) naming the flag, no
+    traceback, before any set-up (which prints the threads line) or model load."""
+    text, flags, words = BAD_FLAGS[case]
+    if text is not None:
+        (tmp_path / "p.jsonl").write_text(text)
+    argv = ["--prompts", "p.jsonl", *flags]
+    if case in REAL:
+        done = subprocess.run([sys.executable, "-m", "exspec.bench", *argv], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        code, out, err = done.returncode, done.stdout, done.stderr
+    else:
+        monkeypatch.chdir(tmp_path)
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        code, (out, err) = exit_.value.code, capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err, f"{case}: exit {code}: {err}"
+    assert lines[-1].startswith("exspec-bench: error: ") and words in lines[-1], \
+        f"{case}: {words!r} not in {lines[-1]!r}"
+    # argparse's usage, then its error: nothing else ran
+    assert all(line.startswith(("usage:", " ")) for line in lines[:-1]) and not out, f"{case}: {err}"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -106,40 +108,65 @@ def test_the_command_replays_text_traces_per_category_and_k(pairs, tmp_path, cap
     assert suffix_4["code"]["tokens_per_step"] > tallies[2]["tallies"]["code"]["tokens_per_step"] > 1
 
 
-@pytest.mark.parametrize("config, words", [
-    ('{"method": "eagle3", "model": "head"}', "'ngram' or 'suffix'"),
-    ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "suffix_decoding_min_token_prob"),
-    ('{"method": "ngram", "lookahead": 3}', "lookahead"),
-])
-def test_a_configuration_the_engine_would_refuse_is_refused_naming_it(tmp_path, config, words):
-    traces = tmp_path / "t.jsonl"
-    traces.write_text(json.dumps({"prompt_token_ids": [1, 2], "output_token_ids": [3, 4]}) + "\n")
-    with pytest.raises(SystemExit, match=words):
-        replay.main(["--traces", str(traces), "--speculative-config", config])
+ONE_TRACE = json.dumps({"prompt_token_ids": [1, 2], "output_token_ids": [3, 4]}) + "\n"
+BAD = {   # case: (the traces file's text or None for none, flags, words of the error)
+    "missing traces file": (None, [], "t.jsonl: No such file or directory"),
+    "traces not JSONL": ("prompt: a\n", [], "t.jsonl:1 is not JSON"),
+    "a trace not an object": (ONE_TRACE + "[1, 2]\n", [], "t.jsonl:2 holds a list, not a JSON object"),
+    "a trace without output": ('{"prompt_token_ids": [1]}\n', [],
+                               'no "output" (text) nor "output_token_ids"'),
+    "token ids not ids": ('{"prompt_token_ids": [1], "output_token_ids": ["a"]}\n', [],
+                          "output_token_ids must be a list of token ids"),
+    "text without a tokenizer": ('{"prompt": "a", "output": "b"}\n', [], "t.jsonl:1 holds text: give --tokenizer"),
+    "k not a number": (ONE_TRACE, ["-k", "2,x"], "-k: a comma list of k >= 1, got '2,x'"),
+    "k zero": (ONE_TRACE, ["-k", "0"], "-k: a comma list of k >= 1, got '0'"),
+    "config not JSON": (ONE_TRACE, ["--speculative-config", "{method: suffix}"], "--speculative-config: not JSON"),
+    "config at k zero": (ONE_TRACE, ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+                         "num_speculative_tokens must be >= 1"),
+    "config of a model": (ONE_TRACE, ["--speculative-config", '{"method": "eagle3", "model": "head"}'],
+                          "'ngram' or 'suffix'"),
+    "config the engine refuses": (ONE_TRACE, ["--speculative-config", '{"method": "suffix", '
+                                              '"suffix_decoding_min_token_prob": 2}'], "suffix_decoding_min_token_prob"),
+    "warm leaving none": (ONE_TRACE, ["--warm", "1"], "--warm 1 leaves none of the 1 traces to count"),
+    "tokenizer not there": (ONE_TRACE, ["--tokenizer", "./no-tokenizer"], "--tokenizer path does not exist"),
+    "out in no folder": (ONE_TRACE, ["--out", "no-folder/tallies.json"], "its folder no-folder does not exist"),
+    "save-traces beside traces": (ONE_TRACE, ["--save-traces", "out.jsonl"],
+                                  "--save-traces writes the traces --prompt-set makes"),
+}
 
 
-@pytest.mark.parametrize("args, words", [
-    (["-k", "2,x"], "-k: a comma list of k >= 1, got '2,x'"),
-    (["-k", "0"], "-k: a comma list of k >= 1"),
-    (["--save-traces", "out.jsonl"], "--save-traces writes the traces --prompt-set makes"),
-    (["--speculative-config", "{method: suffix}"], "--speculative-config: not JSON"),
-])
-def test_bad_flags_are_refused_naming_the_flag(tmp_path, capsys, args, words):
-    traces = tmp_path / "t.jsonl"
-    traces.write_text(json.dumps({"prompt_token_ids": [1, 2], "output_token_ids": [3, 4]}) + "\n")
-    with pytest.raises(SystemExit):
-        replay.main(["--traces", str(traces), *args])
-    assert words in capsys.readouterr().err
+# one case of each kind runs the real command in a process of its own (~10 s each on a busy
+# CPU); the others call its main() here, the same code
+REAL = ("missing traces file", "traces not JSONL", "a trace without output", "k zero",
+        "config not JSON", "config at k zero")
 
 
-def test_warm_traces_must_leave_some_to_count(tmp_path):
-    traces = tmp_path / "t.jsonl"
-    traces.write_text(json.dumps({"prompt_token_ids": [1, 2], "output_token_ids": [3, 4]}) + "\n")
-    with pytest.raises(SystemExit, match="--warm 1 leaves none of the 1 traces"):
-        replay.main(["--traces", str(traces), "--warm", "1"])
-    with pytest.raises(SystemExit, match="give --tokenizer"):
-        traces.write_text(json.dumps({"prompt": "a", "output": "b"}) + "\n")
-        replay.main(["--traces", str(traces)])
+def refusal(argv: list[str], cwd, real: bool, capsys, monkeypatch) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the replay command refusing `argv`."""
+    if real:
+        done = subprocess.run([sys.executable, "-m", "exspec.bench.replay", *argv], cwd=cwd,
+                              capture_output=True, text=True, timeout=300)
+        return done.returncode, done.stdout, done.stderr
+    monkeypatch.chdir(cwd)
+    with pytest.raises(SystemExit) as exit_:
+        replay.main(argv)
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_flag_or_file_is_one_line_naming_it_before_any_work(tmp_path, capsys, monkeypatch, case):
+    """The command as a user runs it: a bad flag, file or configuration is argparse's one line
+    (exit code 2) naming it, no traceback, and nothing runs after the flags are read."""
+    text, flags, words = BAD[case]
+    if text is not None:
+        (tmp_path / "t.jsonl").write_text(text)
+    code, out, err = refusal(["--traces", "t.jsonl", *flags], tmp_path, case in REAL, capsys, monkeypatch)
+    error = err.strip().splitlines()[-1] if err.strip() else ""
+    assert code == 2 and "Traceback" not in err, f"{case}: exit {code}: {err}"
+    assert error.startswith("python -m exspec.bench.replay: error: ") and words in error, \
+        f"{case}: {words!r} not in {error!r}"
+    assert not out, f"{case}: work began: {out}"
 
 
 def test_traces_made_from_a_shipped_prompt_set_are_saved_and_replayed(tmp_path, capsys):

@@ -33,7 +33,6 @@ only and are left out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -53,6 +52,7 @@ from ..models.loading import DTYPES, load_pair
 from ..sampling.sampler import COUPLINGS
 from ..utils.threads import apply_threads, choose_threads
 from .equivalence import Reference
+from .flags import at_least, input_file, int_list, model_source, read_jsonl, writable
 from .ideal import CostModel
 from .methods import (HF_METHODS, METHODS, SPECULATIVE_METHODS, CellKey, EngineMethod, HFModels, Prompt,
                       Run, make_method, run_interleaved)
@@ -82,12 +82,10 @@ def read_prompts(path: Path | None, limit: int) -> list[Prompt]:
     if path is None:
         return [Prompt(i, "builtin", t) for i, t in enumerate(FALLBACK_PROMPTS)][:limit]
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if not row.get("turns"):
-            raise ValueError(f"{path}:{n}: no turns")
+    for n, row in read_jsonl(path):
+        turns = row.get("turns")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise ValueError(f"{path}:{n}: \"turns\" must be a non-empty list of texts")
         prompts.append(Prompt(row.get("question_id", n - 1), row.get("category", ""), row["turns"][0],
                               turns=list(row["turns"])))
     return prompts[:limit]
@@ -254,24 +252,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
-    args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
+    at_least(ap, {"-k": args.k, "--num-prompts": args.num_prompts, "--max-tokens": args.max_tokens,
+                  "--repeats": args.repeats, "--threads": args.threads}, 1)
+    at_least(ap, {"--warm-prompts": args.warm_prompts, "--seed": args.seed}, 0)
+    if args.warm_prompts >= args.num_prompts:
+        ap.error(f"--warm-prompts {args.warm_prompts} leaves none of --num-prompts "
+                 f"{args.num_prompts} to time: raise --num-prompts above it")
+    args.batch_sizes = int_list(ap, "--batch-sizes", args.batch_sizes, "batch sizes", 1)
     args.methods_given = args.methods is not None
     args.methods = [m.strip() for m in (args.methods or DEFAULT_METHODS).split(",") if m.strip()]
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         ap.error(f"unknown methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    args.fixed_k = sorted({int(k) for k in args.fixed_k.split(",") if k.strip()}) if args.fixed_k else None
-    if args.fixed_k and (min(args.fixed_k) < 0 or max(args.fixed_k) > args.k):
-        ap.error("--fixed-k: each k in 0..-k")
-    if min(args.batch_sizes) < 1 or args.k < 1 or args.repeats < 1 or args.num_prompts < 1:
-        ap.error("batch sizes, -k, --repeats and --num-prompts must be >= 1")
-    if args.warm_prompts < 0:
-        ap.error("--warm-prompts must be >= 0")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.seed < 0:
-        ap.error("--temperature must be >= 0, --top-p in (0, 1], --seed >= 0")
+    if args.fixed_k is not None:   # at most -k: adaptive k is compared with each
+        args.fixed_k = int_list(ap, "--fixed-k", args.fixed_k, "k's", 0, args.k)
+    if args.temperature < 0:
+        ap.error(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.draft_stop not in (None, "auto") and not 0 <= args.draft_stop < 1:
+        ap.error(f"--draft-stop: auto or a confidence in [0, 1), got {args.draft_stop}")
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not args.paths or set(args.paths) - {"eager", "compiled"}:
         ap.error("--paths: a comma list of eager, compiled")
+    if "compiled" in args.paths:
+        from torch._dynamo import list_backends
+        if args.compile_backend not in list_backends(exclude_tags=()):
+            ap.error(f"--compile-backend {args.compile_backend!r}: not a torch.compile backend "
+                     f"({', '.join(list_backends(exclude_tags=()))})")
     args.sampling_couplings = [c.strip() for c in args.sampling_couplings.split(",") if c.strip()]
     if not args.sampling_couplings or set(args.sampling_couplings) - set(COUPLINGS):
         ap.error(f"--sampling-couplings: a comma list of {', '.join(COUPLINGS)}")
@@ -282,7 +290,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.methods = [m for m in args.methods if m not in HF_METHODS]
         if not args.methods:
             ap.error("a sampled run needs at least one engine method")
+    check_files(ap, args)
     return args
+
+
+def check_files(ap: argparse.ArgumentParser, args) -> None:
+    """The models, the head, the prompts and the output folder, before any of them is loaded
+    or written (a missing one used to stop the run after the pair had loaded)."""
+    for flag in ("target", "draft", "tokenizer", "eagle3"):
+        model_source(ap, f"--{flag}", getattr(args, flag))
+    if args.eagle3 is not None and not (Path(args.eagle3).expanduser() / "config.json").exists():
+        ap.error(f"--eagle3 {args.eagle3}: no config.json there (an EAGLE-3 head's folder)")
+    if args.prompts is not None:
+        input_file(ap, "--prompts", read_prompts, args.prompts, args.num_prompts)
+    writable(ap, "--out", args.out, folder=True)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        ap.error(f"--device {args.device!r}: {exc}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: this machine has no CUDA GPU")
 
 
 def resolve_pair(args) -> str:

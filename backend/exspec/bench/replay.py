@@ -36,6 +36,7 @@ from ..config import EngineConfig
 from ..engine.llm_engine import proposer_for
 from ..spec.lookup import StandaloneRow
 from ..vllm_args import translate
+from .flags import at_least, input_file, int_list, model_source, read_jsonl, writable
 
 DEFAULT_CONFIGS = ('{"method": "ngram", "num_speculative_tokens": 5}',
                    '{"method": "suffix", "num_speculative_tokens": 5}')
@@ -76,11 +77,14 @@ def proposer_of(spec: dict):
     """vLLM's speculative_config (method ngram or suffix, their keys) -> (the engine's proposer,
     k); refused as model.json would refuse it."""
     if spec.get("method") not in ("ngram", "suffix"):
-        raise ValueError(f"replay: speculative_config method must be 'ngram' or 'suffix' (host "
+        raise ValueError(f"speculative_config method must be 'ngram' or 'suffix' (host "
                          f"proposers: a draft model or head needs the target), got {spec!r}")
     keys, _ = translate({"model": "replay", "speculative_config": spec})
     config = EngineConfig(**{k: v for k, v in keys.items() if k != "default_max_tokens"},
                           method="exspec")
+    if config.num_speculative_tokens < 1:   # the engine's plain steps: nothing to replay
+        raise ValueError(f"num_speculative_tokens must be >= 1 (k = 0 proposes nothing), "
+                         f"got {spec!r}")
     return proposer_for(config, None, 0), config.num_speculative_tokens
 
 
@@ -122,31 +126,40 @@ def replay(spec: dict, traces: list[Trace], warm: int = 0) -> dict[str, Tally]:
     return tallies
 
 
+def trace_rows(path: Path) -> list[tuple[int, dict]]:
+    """The traces with an output, with their line numbers, each checked (a ValueError names the
+    line): a prompt and an output, each as text or as token ids."""
+    rows = []
+    for n, row in read_jsonl(path):
+        for part in ("prompt", "output"):
+            ids, text = row.get(f"{part}_token_ids"), row.get(part)
+            if ids is not None:
+                if not isinstance(ids, list) or any(type(t) is not int or t < 0 for t in ids):
+                    raise ValueError(f"{path}:{n}: {part}_token_ids must be a list of token ids")
+            elif not isinstance(text, str):
+                raise ValueError(f"{path}:{n}: no \"{part}\" (text) nor \"{part}_token_ids\"")
+        if row.get("output_token_ids") or row.get("output"):   # else no step to replay
+            rows.append((n, row))
+    if not rows:
+        raise ValueError(f"{path} holds no trace with an output")
+    return rows
+
+
 def read_traces(path: Path, tokenizer_path: str | None) -> list[Trace]:
+    """The traces (`trace_rows`), their text through the tokenizer."""
     tokenizer = None
     traces = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for _, row in trace_rows(path):
         ids = {}
         for part in ("prompt", "output"):
-            if f"{part}_token_ids" in row:
-                ids[part] = [int(t) for t in row[f"{part}_token_ids"]]
-            elif part in row:
+            if row.get(f"{part}_token_ids") is not None:
+                ids[part] = row[f"{part}_token_ids"]
+            else:
                 if tokenizer is None:
-                    if not tokenizer_path:
-                        raise SystemExit(f"replay: {path}:{n} holds text: give --tokenizer")
                     from transformers import AutoTokenizer
                     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
                 ids[part] = tokenizer.encode(row[part], add_special_tokens=False)
-            else:
-                raise SystemExit(f"replay: {path}:{n}: no \"{part}\" nor \"{part}_token_ids\"")
-        if not ids["output"]:
-            continue   # nothing generated: no step to replay
         traces.append(Trace(ids["prompt"], ids["output"], str(row.get("category", ""))))
-    if not traces:
-        raise SystemExit(f"replay: {path} holds no trace with an output")
     return traces
 
 
@@ -220,17 +233,29 @@ def parse_args(argv):
     if any(not isinstance(c, dict) for c in args.configs):
         ap.error("--speculative-config: a JSON object, as vLLM's speculative_config")
     if args.k is not None:
-        try:
-            ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
-        except ValueError:
-            ks = []
-        if not ks or min(ks) < 1:
-            ap.error(f"-k: a comma list of k >= 1, got {args.k!r}")
+        ks = int_list(ap, "-k", args.k, "k", 1)
         args.configs = [dict(c, num_speculative_tokens=k) for c in args.configs for k in ks]
-    if args.warm < 0:
-        ap.error("--warm must be >= 0")
+    try:   # each configuration as the engine would take it: refused before any work
+        args.labels = [label(spec, proposer_of(spec)[1]) for spec in args.configs]
+    except ValueError as e:
+        ap.error(f"--speculative-config: {e}")
+    at_least(ap, {"--warm": args.warm}, 0)
+    at_least(ap, {"--num-prompts": args.num_prompts, "--max-tokens": args.max_tokens,
+                  "--threads": args.threads}, 1)
     if args.save_traces and not args.prompt_set:
         ap.error("--save-traces writes the traces --prompt-set makes; --traces are yours already")
+    writable(ap, "--save-traces", args.save_traces)
+    writable(ap, "--out", args.out)
+    model_source(ap, "--tokenizer", args.tokenizer)
+    count = args.num_prompts
+    if args.traces:
+        rows = input_file(ap, "--traces", trace_rows, args.traces)
+        text = [n for n, row in rows if any(row.get(f"{p}_token_ids") is None for p in ("prompt", "output"))]
+        if text and not args.tokenizer:
+            ap.error(f"--traces: {args.traces}:{text[0]} holds text: give --tokenizer")
+        count = len(rows)
+    if args.warm >= count:
+        ap.error(f"--warm {args.warm} leaves none of the {count} traces to count")
     return args
 
 
@@ -244,10 +269,6 @@ def label(spec: dict, k: int) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:   # refused before any trace is made
-        labels = [label(spec, proposer_of(spec)[1]) for spec in args.configs]
-    except ValueError as e:
-        raise SystemExit(f"replay: {e}")
     if args.traces:
         traces = read_traces(args.traces, args.tokenizer)
     else:
@@ -256,9 +277,9 @@ def main(argv=None) -> int:
             args.save_traces.write_text("".join(
                 json.dumps({"prompt_token_ids": t.prompt_ids, "output_token_ids": t.output_ids,
                             "category": t.category}) + "\n" for t in traces))
-    if args.warm >= len(traces):
+    if args.warm >= len(traces):   # --prompt-set: prompts too long for the pair were skipped
         raise SystemExit(f"replay: --warm {args.warm} leaves none of the {len(traces)} traces to count")
-    rows = [(name, replay(spec, traces, args.warm)) for name, spec in zip(labels, args.configs)]
+    rows = [(name, replay(spec, traces, args.warm)) for name, spec in zip(args.labels, args.configs)]
     print(f"{len(traces) - args.warm} traces replayed (after {args.warm} served first), one "
           f"request at a time, each at its fixed k; a decode step commits the kept proposal and "
           f"one token (the prefill's first token is not a step)\n")

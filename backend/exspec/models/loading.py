@@ -31,7 +31,8 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
 
 
-def _check_source(name: str, what: str) -> str:
+def check_source(name: str, what: str) -> str:
+    """`name` as the loaders take it: a local path (that must be there) or a Hub id."""
     path = Path(name).expanduser()
     if _looks_local(name) and not path.exists():
         raise ModelLoadError(f"{what} path does not exist: {name}")
@@ -40,7 +41,7 @@ def _check_source(name: str, what: str) -> str:
 
 def load_model(name: str, config: EngineConfig, what: str, device_map=None):
     """On config.device, or spread over GPUs by `device_map` (then left where it is put)."""
-    source = _check_source(name, what)
+    source = check_source(name, what)
     placement = {} if device_map is None else {"device_map": device_map}
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -84,7 +85,7 @@ def model_devices(*models) -> set[torch.device]:
 
 
 def load_tokenizer(name: str, config: EngineConfig):
-    source = _check_source(name, "tokenizer")
+    source = check_source(name, "tokenizer")
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -131,6 +132,6 @@ def load_pair(config: EngineConfig) -> ModelPair:
         max_len = config.max_model_len
     pair = ModelPair(tokenizer, target, draft, _eos_ids(tokenizer, target), max_len)
     if head_folder and config.method != "autoregressive":
-        pair.head = load_head(_check_source(head_folder, "EAGLE-3 head"), target,
+        pair.head = load_head(check_source(head_folder, "EAGLE-3 head"), target,
                               DTYPES[config.dtype], config.device)
     return pair
