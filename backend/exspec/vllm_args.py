@@ -71,6 +71,11 @@ def translate(values: dict) -> tuple[dict, list[str]]:
             if value != neutral:
                 raise ValueError(f"{key} = {value!r} is not supported by exspec (only {neutral!r}): "
                                  f"it serves one unquantized model per GPU, without LoRA")
+    if "disable_log_stats" in out:   # read again by the adapter (exspec_config.vllm_stats_disabled)
+        value = out.pop("disable_log_stats")
+        notes.append(f"disable_log_stats = {value!r}: the vllm: metric families "
+                     f"{'off' if value is True else 'published where REPORT_CUSTOM_METRICS asks'}"
+                     " (as in Triton's vLLM backend)")
     for key in sorted(IGNORED & set(out)):
         notes.append(f"{key} = {out.pop(key)!r}: ignored (it changes no output here)")
     if out.get("dtype") == "auto":

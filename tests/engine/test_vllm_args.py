@@ -27,7 +27,7 @@ def test_the_vllm_sample_loads_as_the_target_alone_and_logs_what_it_ignores(pair
     assert config.gpu_memory_utilization == 0.5 and config.enforce_eager is True
     logged = caplog.text
     assert "disable_log_requests = True: ignored" in logged
-    assert "disable_log_stats = True: ignored" in logged
+    assert "disable_log_stats = True: the vllm: metric families off" in logged
 
 
 def test_speculative_config_names_the_draft_and_k(pairs):
