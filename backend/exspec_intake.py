@@ -1,12 +1,15 @@
-"""Request intake, on Triton's thread: each request parsed, registered with the send thread and
-handed to the engine; `execute` returns at once. Nothing here sends, counts or logs through
-Triton: a request refused here is handed to the send thread, which answers it (exspec_log says
-why one thread owns those objects)."""
+"""Request intake: on Triton's thread each request is parsed, then registered with the send
+thread and handed to the engine (`add_request`, which may compile a grammar for a second or
+tokenize a long prompt) on a small pool of submit threads, so `execute` returns at once and
+one heavy request holds up neither Triton's thread nor the requests behind it. Nothing here
+sends, counts or logs through Triton: a refused request is handed to the send thread, which
+answers it (exspec_log says why one thread owns those objects)."""
 from __future__ import annotations
 
 import itertools
 import json
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 import triton_python_backend_utils as pb_utils
 
@@ -25,6 +28,7 @@ INPUTS = [
     {"name": "stop", "data_type": "TYPE_STRING", "dims": [-1], "optional": True},
     *({"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for name in FLAG_INPUTS),
 ]
+SUBMIT_THREADS = 4   # requests admitted at once (each may compile a grammar)
 
 
 class Intake:
@@ -35,6 +39,11 @@ class Intake:
         self.log = log
         self.per_token = per_token
         self._ids = itertools.count()
+        self._submits = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="exspec-submit")
+
+    def close(self):
+        """finalize, before the drain: every request taken is registered or refused."""
+        self._submits.shutdown(wait=True)
 
     def take(self, request):
         sender = request.get_response_sender()
@@ -52,7 +61,7 @@ class Intake:
         stream = Stream(request_id, sender, parsed,
                         parsed.prompt if isinstance(parsed.prompt, str) else None,
                         tag_error_codes=tag)
-        self._submit(stream)
+        self._submits.submit(self._submit, stream)
 
     def _parse(self, request, parameters: dict) -> ParsedRequest:
         """The request as the engine takes it; refused while draining or once the engine stopped."""
@@ -68,7 +77,8 @@ class Intake:
         return parsed
 
     def _submit(self, stream: Stream):
-        # Registered before the engine sees it, so its first output finds it.
+        """On a submit thread. Registered before the engine sees it, so its first output finds
+        it; whatever goes wrong, the request is answered once (by the send thread)."""
         self.sends.put(Register(stream))
         try:
             self.engine.add_request(stream.request_id, stream.req.prompt, stream.req.params)

@@ -105,6 +105,7 @@ class TritonPythonModel:
     def finalize(self):
         """Bounded: drain (stop intake, let in-flight requests finish until the drain deadline,
         end the rest with an error), wait for the pool to empty, join threads with timeouts."""
+        self.intake.close()
         self.lifecycle.drain_for_unload(self.sends)
         engine_ended = self.engine_thread.stop(grace_s=FINALIZE_DRAIN_S)
         self.send_thread.stop(engine_ended)

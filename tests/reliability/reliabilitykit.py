@@ -11,7 +11,9 @@ each its own stub process, so a fault in one model leaves the others alone:
 - culprit    fault_injection.row_error_token: a step holding a request whose prompt has "~" raises
              (ticks slowed, so a request can be seen running before the culprit joins it);
 - crash      fault_injection.crash_after_ticks: the engine thread dies on its N-th tick;
-- slow       fault_injection.tick_delay_s above tick_timeout_s: the adapter's watchdog fires.
+- slow       fault_injection.tick_delay_s above tick_timeout_s: the adapter's watchdog fires;
+- admission  fault_injection.admission_delay_s: add_request takes ADMISSION_DELAY_S for a
+             request whose prompt has "~" (a stand-in for a heavy grammar compile).
 
 The SIGTERM test starts its own server (it kills it); see test_shutdown.py.
 """
@@ -65,6 +67,8 @@ MODELS = {
     "culprit": {**_SPEC, "fault_injection": {"row_error_token": CULPRIT_TOKEN, "tick_delay_s": 0.05}},
     "crash": {**_SPEC, "fault_injection": {"crash_after_ticks": 6}},
     "slow": {**_SPEC, "tick_timeout_s": 0.5, "fault_injection": {"tick_delay_s": 2.5}},
+    "admission": {**_SPEC, "fault_injection": {"admission_delay_token": CULPRIT_TOKEN,
+                                               "admission_delay_s": 4.0}},
 }
 
 

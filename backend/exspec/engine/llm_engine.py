@@ -206,6 +206,7 @@ class LLMEngine:
         params.validate()
         params.check_token_ids(self.target.get_output_embeddings().weight.shape[0])
         prompt_ids = self._prompt_ids(prompt)
+        self.faults.before_admission(prompt_ids)
         max_tokens = params.max_tokens or self.config.default_max_tokens
         if max_tokens > self.config.max_output_tokens:
             raise InvalidRequestError(f"max_tokens {max_tokens} exceeds the server limit of "

@@ -13,6 +13,7 @@ default; `disable_any_whitespace: true` (vLLM's field) makes it compact.
 from __future__ import annotations
 
 import json
+import threading
 import sys
 from dataclasses import dataclass
 
@@ -135,13 +136,15 @@ class Grammars:
         self.eos_ids = sorted(eos_ids)
         self.vocab = vocab   # the logits' width: masks cover it
         self._tokenizer = None
+        self._lock = threading.Lock()
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            import llguidance.hf
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab,
-                                                           eos_token=self.eos_ids or None)
+        with self._lock:   # the adapter admits requests on several threads; built once
+            if self._tokenizer is None:
+                import llguidance.hf
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self.hf_tokenizer, n_vocab=self.vocab, eos_token=self.eos_ids or None)
         return self._tokenizer
 
     def compile(self, constraint: StructuredOutput) -> "RowGrammar":

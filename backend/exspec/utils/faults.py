@@ -9,6 +9,9 @@ Nothing a client sends can turn it on. Keys (all optional):
                             raises RuntimeError on reaching that row's commit, after the rows
                             before it committed theirs (a bug only one request triggers)
   row_prefill_error_token: T  the same in a prefill, after the target's forward
+  admission_delay_s: S      add_request sleeps S seconds for a request whose prompt holds
+                            admission_delay_token (a stand-in for a heavy grammar compile)
+  admission_delay_token: T
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import time
 import torch
 
 KEYS = {"forward_error_every", "forward_oom_every", "tick_delay_s", "crash_after_ticks",
-        "row_error_token", "row_prefill_error_token"}
+        "row_error_token", "row_prefill_error_token", "admission_delay_s", "admission_delay_token"}
 
 
 class EngineCrash(BaseException):
@@ -53,6 +56,11 @@ class Faults:
         token = self.spec.get(key)
         if token is not None and token in row.tokens[:row.num_prompt_tokens]:
             raise RuntimeError(f"injected fault: exception on a row whose prompt holds token {token}")
+
+    def before_admission(self, prompt_ids: list[int]) -> None:
+        """On the caller's thread (the adapter's submit threads), not the engine's."""
+        if self.spec.get("admission_delay_token") in prompt_ids:
+            time.sleep(self.spec.get("admission_delay_s", 0))
 
     def before_tick(self) -> None:
         if not self.spec:
