@@ -1,5 +1,6 @@
-"""What the exspec model reads at load: the engine arguments from model.json, and the
-config.pbtxt parameters the adapter itself takes. A problem is an error that fails the load."""
+"""What the exspec model reads at load: the engine arguments from model.json (and the one
+model.json key the adapter itself takes, `record_traffic`), and the config.pbtxt parameters the
+adapter takes. A problem is an error that fails the load."""
 from __future__ import annotations
 
 import json
@@ -7,8 +8,10 @@ import os
 
 from exspec import EngineConfig
 from exspec.config import resolve_model_paths
+from exspec_traffic import DEFAULT_MAX_BYTES, TrafficSettings
 
 MODEL_JSON = "model.json"
+RECORD_TRAFFIC = "record_traffic"   # the adapter's own model.json key: not an engine argument
 DEFAULT_DRAIN_TIMEOUT_S = 20.0   # config.pbtxt parameter drain_timeout_s; below the default exit timeout (30 s)
 
 
@@ -17,6 +20,7 @@ def engine_config(args) -> EngineConfig:
     folder = os.path.join(args["model_repository"], args["model_version"])
     path = os.path.join(folder, MODEL_JSON)
     values = resolve_model_paths(_read_model_json(path), folder)
+    values.pop(RECORD_TRAFFIC, None)
     kind = args.get("model_instance_kind", "CPU")
     if kind in ("GPU", "CPU"):
         values["device"] = _device(path, kind, values.get("device"), args)
@@ -28,6 +32,34 @@ def vllm_stats_disabled(args) -> bool:
     metric families then, whatever REPORT_CUSTOM_METRICS says."""
     path = os.path.join(args["model_repository"], args["model_version"], MODEL_JSON)
     return _read_model_json(path).get("disable_log_stats") is True
+
+
+def traffic_recording(args) -> TrafficSettings | None:
+    """model.json's `record_traffic: {"path": ..., "max_bytes": N}` (default: off): write each
+    finished request as the offline replay reads it (exspec_traffic). A relative path is taken
+    from the version folder (model.json's); max_bytes (default 256 MiB) is where the file
+    rotates."""
+    folder = os.path.join(args["model_repository"], args["model_version"])
+    path = os.path.join(folder, MODEL_JSON)
+    value = _read_model_json(path).get(RECORD_TRAFFIC)
+    if value is None:
+        return None
+    example = '{"path": "/var/log/exspec/served.jsonl", "max_bytes": 268435456}'
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: {RECORD_TRAFFIC} must be an object, e.g. {example}; got {value!r}")
+    unknown = sorted(set(value) - {"path", "max_bytes"})
+    if unknown:
+        raise ValueError(f"{path}: {RECORD_TRAFFIC} takes path and max_bytes, not "
+                         f"{', '.join(unknown)}")
+    where = value.get("path")
+    if not isinstance(where, str) or not where.strip():
+        raise ValueError(f"{path}: {RECORD_TRAFFIC}.path must name the JSONL file to write, e.g. "
+                         f"{example}; got {where!r}")
+    max_bytes = value.get("max_bytes", DEFAULT_MAX_BYTES)
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1:
+        raise ValueError(f"{path}: {RECORD_TRAFFIC}.max_bytes must be a whole number of bytes "
+                         f">= 1 (the size at which the file rotates), got {max_bytes!r}")
+    return TrafficSettings(os.path.normpath(os.path.join(folder, where)), max_bytes)
 
 
 def _read_model_json(path: str) -> dict:

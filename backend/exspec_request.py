@@ -53,6 +53,9 @@ NEUTRAL_KEYS = {
     "prompt_logprobs": (None, None), "truncate_prompt_tokens": (None, None),
     "logits_processors": (None, None), "lora_name": (None, None),
 }
+# A request's own label, not a sampling parameter: the `category` column of the traffic that
+# model.json's record_traffic writes (exspec_traffic); accepted, and unused, when it is off.
+CATEGORY = "category"
 # Request parameters Triton itself or its clients add (the HTTP generate endpoint passes the
 # body's "id" on as one); never sampling parameters.
 _TRANSPORT_PARAMETERS = {"id", "binary_data_output", "binary_data", "binary_data_size", "priority",
@@ -81,6 +84,7 @@ class ParsedRequest:
     return_cumulative_logprob: bool = False
     logprobs: int | None = None    # the request's `logprobs` (top N); None: the output is null
     messages: list[dict] | None = None   # a chat, rendered by the model's chat template
+    category: str | None = None          # the request's `category` (record_traffic's column)
 
     @property
     def prepend_prompt(self) -> bool:
@@ -115,6 +119,7 @@ def parse_request(inputs: dict, parameters: str | dict | None,
                 f"sampling parameter {key!r} given twice with different values "
                 f"({given[key]}: {sampling[key]!r}, {where}: {value!r})")
         sampling[key], given[key] = value, where
+    category = _category(sampling.pop(CATEGORY, None))
     values = {}
     for key, value in sampling.items():
         if value is None:
@@ -139,6 +144,7 @@ def parse_request(inputs: dict, parameters: str | dict | None,
         raise InvalidRequestError(STREAM_WITH_PROMPT_ERROR)
     return ParsedRequest(prompt=prompt, params=params, stream=stream,
                          exclude_input_in_output=exclude, logprobs=logprobs, messages=messages,
+                         category=category,
                          **{name: bool(value) for name, value in flags.items()})
 
 
@@ -152,6 +158,18 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:   # the template's own checks (roles alternating, ...) raise here
         raise InvalidRequestError(f"messages: the chat template refused them: {exc}") from None
+
+
+def _category(value) -> str | None:
+    """The `category` parameter: a string (a number is taken as its text)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"category must be a string (a label for recorded traffic), "
+                                  f"got {value!r}")
+    return value
 
 
 def _messages(value) -> list[dict] | None:
@@ -313,10 +331,11 @@ def _same_value(key: str, a, b) -> bool:
 
 
 def _check_known(key: str, where: str) -> None:
-    if key not in SAMPLING_KEYS and key not in NEUTRAL_KEYS:
+    if key not in SAMPLING_KEYS and key not in NEUTRAL_KEYS and key != CATEGORY:
         raise InvalidRequestError(f"unknown sampling parameter {key!r} in {where}; known: "
                                   f"{', '.join(sorted(SAMPLING_KEYS))} (and vLLM's "
-                                  f"{', '.join(sorted(NEUTRAL_KEYS))} at their neutral values)")
+                                  f"{', '.join(sorted(NEUTRAL_KEYS))} at their neutral values; "
+                                  f"{CATEGORY}, a label for recorded traffic)")
 
 
 def _check_neutral(key: str, value) -> None:

@@ -1,8 +1,9 @@
 """The send thread: the one path responses leave by. It owns every in-flight request's state
 (a Stream per request id), turns the engine's outputs into responses, polls `is_cancelled` (a
 round trip, so on a timer, not per token) and aborts cancelled requests, updates the metrics,
-answers refused requests, writes the log, and runs the drain and the tick watchdog between
-items (design: "The Triton adapter"). It is the one thread that calls Triton's metrics, response
+answers refused requests, writes the log, hands finished requests to the traffic recorder
+(exspec_traffic) and runs the drain and the tick watchdog between items (design: "The Triton
+adapter"). It is the one thread that calls Triton's metrics, response
 senders and logger while the model serves (exspec_log says why)."""
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ from exspec_messages import STOP, Drain, EngineDead, LogLine, Register, Reject, 
 from exspec_responses import (FINAL, code_name, new_error, response, send_error,
                               speculation_tensors, triton_error)
 from exspec_stream import Stream, pieces
+from exspec_traffic import TrafficLog, records
 
 CANCEL_POLL_S = 0.1          # how often the send thread asks Triton about cancellations
+TRAFFIC_REPORT_S = 10.0      # how often, at most, the log says recorded traffic was dropped
 
 
 class SendThread:
-    def __init__(self, sends, engine, engine_thread, lifecycle, metrics, log, k: int):
+    def __init__(self, sends, engine, engine_thread, lifecycle, metrics, log, k: int,
+                 traffic: TrafficLog | None = None):
         self.sends = sends
         self.log = log
         self.engine = engine
@@ -33,6 +37,8 @@ class SendThread:
         self.lifecycle = lifecycle
         self.metrics = metrics
         self.k = k
+        self.traffic = traffic   # model.json's record_traffic; None: off
+        self._next_traffic_report = 0.0
         self.tokenizer = engine.tokenizer
         # a token's own text, as vLLM decodes logprobs' decoded_token (cached: few ids recur)
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda i: self.tokenizer.decode([i]))
@@ -69,6 +75,7 @@ class SendThread:
             self._finish_with_error(stream, new_error(
                 "the model was unloaded before this request finished", "UNAVAILABLE"), "error")
         self.metrics.idle()
+        self._report_traffic(force=True)
         self.log.owner = None   # finalize writes its own lines from here on
 
     def _handle_left_over(self):
@@ -95,7 +102,19 @@ class SendThread:
         if self.lifecycle.drain_file_appeared(now):
             self._handle(Drain(f"{self.lifecycle.drain_file} appeared"))
         self.lifecycle.drain_step(self._streams, self.engine)
+        self._report_traffic()
         return next_poll
+
+    def _report_traffic(self, force: bool = False):
+        """Records the traffic recorder dropped or failed to write, at most every
+        TRAFFIC_REPORT_S (its writer thread may not log: exspec_log)."""
+        now = time.monotonic()
+        if self.traffic is None or (now < self._next_traffic_report and not force):
+            return
+        self._next_traffic_report = now + TRAFFIC_REPORT_S
+        news = self.traffic.news()
+        if news:
+            self.log.warn(news)
 
     def _handle(self, item):
         if item is None:
@@ -104,6 +123,7 @@ class SendThread:
             self._on_tick(item)
         elif isinstance(item, Register):
             self._streams[item.stream.request_id] = item.stream
+            item.stream.record = self.traffic is not None
             if self.lifecycle.dead:   # it passed execute's check just before the engine stopped
                 self._finish_with_error(item.stream, triton_error(
                     EngineBusyError(self.lifecycle.dead), item.stream.tag_error_codes), "error")
@@ -188,6 +208,8 @@ class SendThread:
             self._record_finished(stream, out.finish_reason, out)
             self._respond(stream, out, final=True)
         self._streams.pop(stream.request_id, None)
+        if self.traffic is not None:   # completed: cancelled, aborted or failed ones are not
+            self.traffic.offer(records(stream))
 
     def _record_tokens(self, stream: Stream, out: RequestOutput):
         now = time.monotonic()

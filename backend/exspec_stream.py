@@ -15,7 +15,7 @@ from exspec_request import ParsedRequest
 class Sample:
     """One of the request's n samples (the only one when n = 1): its totals so far."""
     texts: list = field(default_factory=list)       # when not streaming
-    ids: list = field(default_factory=list)         # when not streaming
+    ids: list = field(default_factory=list)         # when not streaming, or recording traffic
     logprobs: list = field(default_factory=list)    # when not streaming
     cumulative_logprob: float = 0.0                 # up to the last token sent or collected
     finish_reason: str | None = None
@@ -37,6 +37,8 @@ class Stream:
     cancelled: bool = False              # the client went away; we asked the engine to abort
     shutting_down: bool = False          # the drain deadline passed and the drain aborted it
     tag_error_codes: bool = False        # forwarded by the unary front model (see exspec_request)
+    record: bool = False                 # model.json's record_traffic is on: keep the ids
+    prompt_ids: list[int] | None = None  # the prompt as the engine tokenized it, once a sample ends
 
     def __post_init__(self):
         self.samples = self.samples or [Sample() for _ in range(self.req.params.n)]
@@ -48,6 +50,10 @@ class Stream:
         sample.num_draft_tokens = out.num_draft_tokens
         sample.num_accepted_draft_tokens = out.num_accepted_draft_tokens
         sample.finish_reason = out.finish_reason or sample.finish_reason
+        if self.record:
+            self.prompt_ids = out.prompt_token_ids or self.prompt_ids
+            if self.req.stream:   # not streaming, `collect` keeps them
+                sample.ids += out.new_token_ids
 
     def collect(self, out: RequestOutput):
         """Not streaming: the totals the one response will carry."""

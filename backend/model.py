@@ -10,7 +10,9 @@ This file is Triton's table of contents; each part has its own module:
 - exspec_lifecycle: the drain, the tick watchdog and the orphan guard;
 - exspec_config (what the model reads at load), exspec_request (parsing), exspec_responses (what
   is sent), exspec_messages (the send queue's items), exspec_stream (one request's state),
-  exspec_metrics, exspec_log (the log, written by the send thread while it runs).
+  exspec_metrics, exspec_log (the log, written by the send thread while it runs),
+  exspec_traffic (model.json's record_traffic: served requests as the offline replay reads them,
+  written by a thread of its own).
 While the model serves, only the send thread calls Triton's metrics, response senders and logger.
 No decoding or scheduling lives here (design: "The Triton adapter" has the contract and the
 response rules).
@@ -23,8 +25,8 @@ import queue
 import triton_python_backend_utils as pb_utils
 
 from exspec.engine.llm_engine import LLMEngine
-from exspec_config import (drain_settings, engine_config, parameter, unload_when_dead,
-                           vllm_health_check, vllm_stats_disabled)
+from exspec_config import (drain_settings, engine_config, parameter, traffic_recording,
+                           unload_when_dead, vllm_health_check, vllm_stats_disabled)
 from exspec_engine_thread import EngineThread
 from exspec_intake import INPUTS, Intake
 from exspec_lifecycle import FINALIZE_DRAIN_S, Lifecycle, start_orphan_guard
@@ -32,6 +34,7 @@ from exspec_log import Log
 from exspec_metrics import Metrics
 from exspec_responses import OUTPUTS
 from exspec_send import SendThread
+from exspec_traffic import TrafficLog
 
 
 class TritonPythonModel:
@@ -57,6 +60,8 @@ class TritonPythonModel:
                              "{ decoupled: true } in config.pbtxt (or leave it out)")
         self.model_name = args["model_name"]
         config = engine_config(args)
+        recording = traffic_recording(args)
+        self.traffic = TrafficLog(recording) if recording else None   # opened: a bad path fails now
         unload = self.model_name if unload_when_dead(self.model_config) else None
         vllm_words = vllm_health_check(self.model_config)
         pb_utils.Logger.log_info(f"exspec: loading {config}")
@@ -69,10 +74,12 @@ class TritonPythonModel:
         self.engine_thread = EngineThread(self.engine, self.sends, self.lifecycle, self.log)
         k = config.num_speculative_tokens if config.speculative else 0
         self.send_thread = SendThread(self.sends, self.engine, self.engine_thread,
-                                      self.lifecycle, self.metrics, self.log, k)
+                                      self.lifecycle, self.metrics, self.log, k, self.traffic)
         self.intake = Intake(self.engine, self.sends, self.lifecycle, self.log,
                              per_token=config.stream_granularity == "token")
         self.engine_thread.start()
+        if self.traffic is not None:
+            self.traffic.start()
         self.send_thread.start()
         start_orphan_guard(self.model_name)
         self._log_ready(config)
@@ -88,8 +95,10 @@ class TritonPythonModel:
     def _log_ready(self, config):
         warm = self.engine.warm_up
         path = "eager" if warm is None else f"compiled ({warm.describe()})"
+        recording = (f", recording served traffic to {self.traffic.path} (record_traffic)"
+                     if self.traffic is not None else "")
         self.log.info(f"exspec: model {self.model_name} ready on {config.device}, "
-                                 f"{self.engine.threads.describe()}, decode path {path}")
+                                 f"{self.engine.threads.describe()}, decode path {path}{recording}")
 
     def execute(self, requests):
         for request in requests:
@@ -109,4 +118,6 @@ class TritonPythonModel:
         self.lifecycle.drain_for_unload(self.sends)
         engine_ended = self.engine_thread.stop(grace_s=FINALIZE_DRAIN_S)
         self.send_thread.stop(engine_ended)
+        if self.traffic is not None:
+            self.traffic.close()
         self.log.info("exspec: finalized")

@@ -31,6 +31,8 @@ class RequestOutput:
     # which of the request's n samples this is (0 when n = 1; parallel_sampling.py). With n > 1,
     # finish_reason is set on a sample's last output and `finished` only on the request's last
     index: int = 0
+    # the prompt as the engine tokenized it (a chat after its template), on a sample's last output
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass

@@ -249,3 +249,19 @@ def test_stop_given_twice_with_different_values_names_both_places():
     assert parse(stop=_strings("a"), sampling_parameters=sampling).params.stop == ["a"]
     with pytest.raises(InvalidRequestError, match=r"'stop' given twice .*sampling_parameters: \['a'\], stop input"):
         parse(stop=_strings("b", "c"), sampling_parameters=sampling)
+
+
+def test_category_is_the_requests_label_from_either_place_and_not_a_sampling_parameter():
+    """`category` (record_traffic's column) is taken from the request parameters or the
+    sampling_parameters JSON, never refused as unknown; a non-string or two different values
+    are refused, naming it."""
+    assert parse().category is None
+    assert parse({"category": "chat"}).category == "chat"
+    sampling = np.array([json.dumps({"category": "code", "max_tokens": 3}).encode()], dtype=np.object_)
+    parsed = parse(sampling_parameters=sampling)
+    assert (parsed.category, parsed.params.max_tokens) == ("code", 3)
+    assert parse({"category": 7}).category == "7"
+    with pytest.raises(InvalidRequestError, match="category must be a string"):
+        parse({"category": ["a"]})
+    with pytest.raises(InvalidRequestError, match="'category' given twice"):
+        parse({"category": "chat"}, sampling_parameters=sampling)

@@ -377,7 +377,8 @@ class LLMEngine:
                 num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
                 num_draft_tokens=seq.num_draft_tokens,
                 num_accepted_draft_tokens=seq.num_accepted_draft_tokens,
-                new_logprobs=new_lp))
+                new_logprobs=new_lp,
+                prompt_token_ids=seq.tokens[:seq.num_prompt_tokens] if seq.finished else None))
         with self._lock:   # abort() reads the children from other threads
             # an abort that came while its request finished ends with it: it must not reach a
             # later request that reuses the id
