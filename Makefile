@@ -38,13 +38,17 @@ test-slow: venv
 test-engine: venv real-pair
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/engine
 
-# The real pair (SmolLM2-135M-Instruct and the EAGLE-3 head trained for it; chat questions through its own
-# template): in the engine, side by side with the target alone; then in a real tritonserver,
-# speculative and autoregressive requests side by side over a gRPC stream, one curl
-# generate_stream, the OpenAI frontend where its sources are present, and the server stopped.
-# The toy pair (fast tests) runs with `python -m exspec.demo.engine`.
+# The real pair (SmolLM2-135M-Instruct and the EAGLE-3 head trained for it; chat questions through
+# its own template): in the engine, it names the processor and what checking 2-5 tokens costs
+# there against one, then two cases side by side with the target alone, each exact, the speed-up
+# the median of 3 interleaved repeats: the EAGLE-3 head on chat questions (pays where a short
+# check is cheap) and suffix decoding on two-turn repeated asks (~3 tokens a step: pays even where
+# checks are dear); about 3 minutes on a loaded 2-core Intel Xeon (docs/results-by-machine.md).
+# Then in a real tritonserver, speculative and autoregressive requests side by side over a gRPC
+# stream, one curl generate_stream, the OpenAI frontend where its sources are present, and the
+# server stopped. The toy pair (fast tests) runs with `python -m exspec.demo.engine`.
 demo: venv real-pair
-	$(BIN)/python -m exspec.demo.engine --real --num-prompts 3 --batch-size 1 -k 4 --max-tokens 64
+	$(BIN)/python -m exspec.demo.engine --real --num-prompts 3 --batch-size 1 -k 4 --max-tokens 48 --repeats 3
 	$(BIN)/python -m exspec.demo.server --max-tokens 64 -k 4
 
 # A real tritonserver serving SmolLM2-135M-Instruct as model `smollm2` (n-gram proposer; the

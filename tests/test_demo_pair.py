@@ -3,6 +3,7 @@ committed pair in model_repository/exspec/1/demo/ loads with plain transformers 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,14 +110,48 @@ def test_committed_demo_pair():
     assert metrics["cost"]["ratio_decode"] <= 1 / 8 and metrics["cost"]["ratio_prefill"] <= 1 / 8
 
 
-def test_the_engine_demo_runs_side_by_side_on_the_demo_pair(capsys):
+def _line(out: str, pattern: str) -> re.Match:
+    found = re.search(pattern, out)
+    assert found, f"no line matching {pattern!r} in the demo's output:\n{out[-4000:]}"
+    return found
+
+
+def test_the_engine_demo_runs_both_cases_side_by_side_and_exact_on_the_demo_pair(capsys):
     """`make demo`'s first command (`python -m exspec.demo.engine`), on the committed demo pair:
-    both engines run the prompts tick by tick through the benchmark's `run_interleaved`, every
-    output equals target-only greedy, and the speed-up line is printed."""
+    it names the processor, prints what checking 2 and 3 tokens costs against one, then both
+    cases (the pair's draft on its prompts; suffix decoding on two-turn repeated asks), each
+    timed against the target alone through the benchmark's `run_interleaved` over 2 repeats,
+    every output of every repeat equal to target-only greedy, and the line that ties them."""
     from exspec.demo import engine as demo_engine
-    rc = demo_engine.main(["--num-prompts", "2", "--max-tokens", "8", "-k", "2", "--batch-size", "2"])
+    from exspec.utils.machine import processor_name
+    rc = demo_engine.main(["--num-prompts", "2", "--max-tokens", "8", "-k", "2", "--batch-size", "2",
+                           "--repeats", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "2/2 outputs identical to target-only greedy" in out and "speed-up" in out, out
-    from exspec.utils.machine import processor_name
-    assert f"on {processor_name()}, 1 torch thread(s)" in out, out   # the figure names its machine
+    assert f"on {processor_name()}, 1 torch thread(s)" in out, out   # the figures name their machine
+    check = _line(out, r"here checking 2/3 tokens costs (\d+\.\d\d)/(\d+\.\d\d)x one token")
+    assert all(float(r) > 0 for r in check.groups()), check.group(0)
+    _line(out, r"case 1, exspec, the draft model, k <= 2 on 2 code prompts: .*speed-up \d+\.\d\dx "
+               r"\(median of 2: .*acceptance rate \d\.\d\d; 2/2 outputs identical to target-only greedy")
+    # the suffix case drafted (an acceptance rate, not n/a) and stayed exact in both repeats
+    _line(out, r"case 2, exspec, suffix decoding, k <= 2 on 2 repeated asks \(two-turn chats\): "
+               r".*speed-up \d+\.\d\dx \(median of 2: .*acceptance rate \d\.\d\d; "
+               r"2/2 outputs identical to target-only greedy")
+    _line(out, r"why they differ: .*; the draft model committed \d+\.\d\d tokens a step, suffix "
+               r"decoding \d+\.\d\d; every output exact")
+
+
+@pytest.mark.parametrize("seconds,regime", [
+    # an AMD EPYC: the real pair's target at batch 1, 58 ms for 1 token, 93 for 2, 116 for 3
+    ({1: 0.058, 2: 0.093, 3: 0.116, 4: 0.100, 5: 0.101}, "decodes mostly plainly"),
+    # an Intel Xeon: about 1 + 0.14 a token beyond the first
+    ({1: 0.060, 2: 0.068, 3: 0.077, 4: 0.085, 5: 0.094}, "a 2-token check is cheap here")])
+def test_the_check_cost_line_says_what_the_ratios_mean(seconds, regime):
+    """The demo's line on verification cost: the ratios per width, and the regime they put
+    speculation in (no check cheap: plain decoding unless text repeats; a cheap one: even weak
+    proposals pay)."""
+    from exspec.demo.check_cost import CheckCost
+    line = CheckCost(seconds, samples=7).line()
+    ratios = "/".join(f"{seconds[w] / seconds[1]:.2f}" for w in (2, 3, 4, 5))
+    assert f"here checking 2/3/4/5 tokens costs {ratios}x one token" in line, line
+    assert regime in line, line

@@ -129,3 +129,23 @@ def test_the_trained_eagle3_head_is_installed_exact_and_its_drafts_are_kept(real
                       MAX_LEN, label=f"eagle3 {method}/B={batch}")
     first = eng.stats()["drafts_by_depth"][0]
     assert first["kept"] > 0.25 * first["verified"], first
+
+
+def test_the_demo_on_the_real_pair_is_exact_in_both_cases_and_suffix_decoding_keeps_the_repeat(capsys):
+    """`make demo`'s first command on the real pair, one prompt a case: the EAGLE-3 head on a
+    chat question and suffix decoding on a two-turn chat asking for its first answer again with
+    a change (the JSON of a book, "pages" changed), each equal to target-only greedy, and the
+    repeat's proposals mostly kept (acceptance ~0.9 there; a proposer that looked nowhere: 0)."""
+    import re
+    from exspec.demo import engine as demo_engine
+    rc = demo_engine.main(["--real", "--num-prompts", "1", "--max-tokens", "24", "-k", "4",
+                           "--batch-size", "1", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "here checking 2/3/4/5 tokens costs" in out, out
+    assert re.search(r"case 1, exspec, the EAGLE-3 head, k <= 4 on 1 chat questions: .*1/1 outputs "
+                     r"identical to target-only greedy", out), out
+    suffix = re.search(r"case 2, exspec, suffix decoding, k <= 4 on 1 repeated asks .*acceptance rate "
+                       r"(\d\.\d\d); 1/1 outputs identical to target-only greedy", out)
+    assert suffix, out
+    assert float(suffix.group(1)) > 0.5, suffix.group(0)
