@@ -282,3 +282,18 @@ def test_layers_given_their_own_masks_run_one_per_region():
     outs = engine.generate(DEEP_PROMPTS, SamplingParams(max_tokens=10))
     for i, (out, p) in enumerate(zip(outs, DEEP_PROMPTS)):
         assert out.token_ids == greedy_reference(target, p, 10), f"row {i}"
+
+
+def test_the_target_alone_compiles_nothing_after_warm_up_at_one_row(pairs, reference, caplog):
+    """k = 0 (the target alone): the warm-up's first forward is the eager region probe, so a
+    warm-up of one step per row count left the 1-row graph to the first request (seen on a GPU
+    as "1 rows, 1 tokens" compiled after the server was ready)."""
+    engine = make_engine(pairs, "llama", "noisy", method="autoregressive", max_batch_size=2,
+                         enforce_eager=False)
+    before = compiled.dynamo_counts()
+    prompt = [5, 9, 17, 33, 2]
+    with caplog.at_level(logging.WARNING, logger="exspec"):
+        out = engine.generate([prompt], SamplingParams(max_tokens=8))[0]
+    assert compiled.dynamo_counts() == before, f"after warm-up: {before} -> {compiled.dynamo_counts()}"
+    assert not [r.getMessage() for r in caplog.records if NEW_SHAPE in r.getMessage()]
+    assert out.token_ids == reference(pairs["llama", "target"], prompt, 8)

@@ -365,8 +365,9 @@ WARM_UP_ROWS = (1, 2)
 def warm_up_schedule(k: int) -> list[int]:
     """The k of each warm-up step: a full step (draft 1-token forwards, k + 1 verification), a
     plain one (one-token verification), a speculative one after it (the draft's 2-token first
-    forward) and one after three plain steps (the draft's catch-up forward)."""
-    return [k, 0, k, 0, 0, 0, k] if k > 0 else [0]
+    forward) and one after three plain steps (the draft's catch-up forward). At k = 0, two plain
+    steps: a model's first forward is the region probe, which runs eagerly and compiles nothing."""
+    return [k, 0, k, 0, 0, 0, k] if k > 0 else [0, 0]
 
 
 def warm_up(runner, make_sequence, k: int, vocab_size: int) -> WarmUp:
