@@ -19,7 +19,7 @@ FLOORS = [
     {"engine"},                                 # the tick
     {"spec"},                                   # proposers
     {"models"},                                 # loading, checks, compiled forwards
-    {"config", "params", "vllm_args"},          # what a user configures
+    {"config", "params", "vllm_args", "speculative"},   # what a user configures
     {"sampling"},                               # tokens from logits
     {"kv"},                                     # caches
     {"outputs", "errors"},                      # what the engine hands back or raises

@@ -3,39 +3,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import re
 from dataclasses import dataclass
 
 from .sampling.sampler import COUPLINGS
+from .speculative import DEFAULT_METHOD, SpeculativeConfig
+from .speculative import METHODS as SPECULATIVE_METHODS
+from .speculative import SPECULATIVE_BOUNDS  # noqa: F401  (its home before speculative.py)
 from .utils.faults import Faults
 from .vllm_args import translate
 
 log = logging.getLogger("exspec")
 
 METHODS = ("exspec", "eqspec", "autoregressive")
-PROPOSERS = ("draft_model", "eagle3", "ngram", "suffix")   # vLLM's speculative_config methods exspec runs
-LOOKUP_PROPOSERS = ("ngram", "suffix")   # no draft model: proposals looked up on the host
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_MAP_POLICIES = ("auto", "balanced", "balanced_low_0", "sequential")
 STREAM_GRANULARITIES = ("token", "step")
-
-# The speculative keys' bounds, inclusive (the suffix factor's low end excluded: > 0). Beyond
-# them a key costs the engine thread more than it can pay back: adaptive k's per-length tables
-# grow as k^2 (1.7 ms a step at k = 64 on the 2-core CPU, 19 ms at 256), a suffix tree's first
-# proposal as its depth (20 s at depth 512 for a 16k-token prompt), an n-gram index as
-# prompt_lookup_max^2 (11 s and 1.2 GiB for one 16k-token prompt at 128).
-SPECULATIVE_BOUNDS = {   # k last: vLLM's suffix method defaults k to the tree's depth
-    "prompt_lookup_min": (1, 16),
-    "prompt_lookup_max": (1, 16),
-    "suffix_decoding_max_tree_depth": (1, 64),
-    "suffix_decoding_max_cached_requests": (0, 1_000_000),
-    "suffix_decoding_max_cached_tokens": (0, 100_000_000),
-    "suffix_decoding_max_spec_factor": (0, 64),
-    "suffix_decoding_min_token_prob": (0, 1),
-    "num_speculative_tokens": (0, 64),
-}
 
 
 PATH_KEYS = ("target_model", "draft_model", "tokenizer")
@@ -84,7 +68,8 @@ class EngineConfig:
     tokenizer: str | None = None          # default: the target's
     method: str = "exspec"                # exspec | eqspec | autoregressive
     num_speculative_tokens: int = 5       # k; per-request values may lower it
-    proposer: str = "draft_model"         # where proposals come from: the draft model,
+    proposer: str = DEFAULT_METHOD        # where proposals come from (vLLM's speculative_config
+                                          # method; spec/registry.py lists them): the draft model,
                                           # "eagle3" (an EAGLE-3 head on the target's hidden
                                           # states, eagle3.py), "ngram" (prompt lookup, ngram.py)
                                           # or "suffix" (suffix decoding, suffix.py): those two
@@ -145,23 +130,10 @@ class EngineConfig:
             raise ValueError("target_model is required")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; expected one of {', '.join(METHODS)}")
-        if self.proposer not in PROPOSERS:
-            raise ValueError(f"unknown proposer {self.proposer!r}; expected one of {', '.join(PROPOSERS)}")
-        if self.proposer in LOOKUP_PROPOSERS and self.draft_model:
-            raise ValueError(f"proposer {self.proposer!r} proposes without a draft model; drop "
-                             "draft_model")
-        self._check_speculative()
-        if self.proposer == "ngram" and self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy "
-                             f"1 <= min <= max, got {self.prompt_lookup_min} and "
-                             f"{self.prompt_lookup_max}")
-        if self.proposer == "eagle3" and self.speculative and not self.draft_model:
-            raise ValueError("proposer 'eagle3' needs draft_model: the EAGLE-3 head's folder "
-                             "(vLLM: speculative_config.model)")
-        elif (self.proposer not in LOOKUP_PROPOSERS and self.speculative
-              and not self.draft_model):   # k = 0: the layout alone, no drafts
-            raise ValueError(f"method {self.method!r} needs a draft_model (or proposer 'ngram' "
-                             "or 'suffix')")
+        declared = SPECULATIVE_METHODS.declared(self.proposer)   # an unknown one: refused
+        _ = self.speculative_config   # its keys, bounds and the method's own rule (speculative.py)
+        if declared.model is not None and self.speculative and not self.draft_model:
+            raise ValueError(self._missing_model(declared))   # k = 0: the layout alone, no drafts
         if self.sampling_coupling not in COUPLINGS:
             raise ValueError(f"unknown sampling_coupling {self.sampling_coupling!r}; expected one of "
                              f"{', '.join(COUPLINGS)} (gumbel: the speculative output equals the "
@@ -217,16 +189,15 @@ class EngineConfig:
         if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
             raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
 
-    def _check_speculative(self) -> None:
-        """Every speculative key finite and within SPECULATIVE_BOUNDS, whatever the proposer (a
-        NaN passes every comparison: `nan < 0` is false; Python's json reads NaN and Infinity)."""
-        for name, (low, high) in SPECULATIVE_BOUNDS.items():
-            value = getattr(self, name)
-            open_low = name == "suffix_decoding_max_spec_factor"   # 0 would propose nothing
-            inside = low < value <= high if open_low else low <= value <= high
-            if not (math.isfinite(value) and inside):
-                bound = f"{'(' if open_low else '['}{low}, {high}]"
-                raise ValueError(f"{name} must be a finite number in {bound}, got {value!r}")
+    def _missing_model(self, declared) -> str:
+        """The error of a speculative method without its model: a proposer asked for by name is
+        named; the default one (nobody chose it) is offered the methods that need no model."""
+        if self.proposer != DEFAULT_METHOD:
+            return (f"proposer {self.proposer!r} needs draft_model: {declared.model} "
+                    "(vLLM: speculative_config.model)")
+        without = [m.name for m in SPECULATIVE_METHODS.declarations() if m.model is None]
+        return (f"method {self.method!r} needs a draft_model"
+                + (f" (or proposer {' or '.join(map(repr, without))})" if without else ""))
 
     def _check_types(self) -> None:
         """Each plain field holds its own type (model.json is typed JSON: a 2.0 where an integer
@@ -287,6 +258,14 @@ class EngineConfig:
         if self.draft_stop_confidence == "auto":
             return "auto"
         return float(self.draft_stop_confidence or 0.0)
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig:
+        """Its speculative keys as vLLM's speculative_config (data only; validated when made)."""
+        return SpeculativeConfig(
+            method=self.proposer, model=self.draft_model,
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(SpeculativeConfig)
+               if f.name not in ("method", "model")})
 
     @property
     def speculative(self) -> bool:

@@ -11,6 +11,8 @@ Keys that are neither exspec's nor vLLM's stay an error (EngineConfig.from_dict)
 """
 from __future__ import annotations
 
+from .speculative import DEFAULT_METHOD, METHODS, SpeculativeConfig
+
 # vLLM keys that change nothing exspec computes: logging, download and loading options, vLLM's
 # own memory and scheduling tuning. Accepted, and named in the load log as ignored.
 IGNORED = frozenset({
@@ -38,12 +40,15 @@ DTYPE_SPELLINGS = {"half": "float16", "float": "float32", "bf16": "bfloat16", "f
 
 VLLM_DEFAULT_MAX_TOKENS = 16   # vLLM's SamplingParams.max_tokens default
 
-# the last is exspec's own (vLLM caps the global tree by requests only): a cap on its tokens
-SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
-               "suffix_decoding_max_cached_tokens")
-SPECULATIVE_KEYS = ("model", "method", "num_speculative_tokens", "draft_tensor_parallel_size",
-                    "prompt_lookup_max", "prompt_lookup_min", *SUFFIX_KEYS)
+# speculative_config's keys besides each method's own (SpeculativeMethod.keys); the
+# draft's tensor parallelism only at its neutral value
+COMMON_SPECULATIVE_KEYS = ("model", "method", "num_speculative_tokens", "draft_tensor_parallel_size")
+
+
+def speculative_keys() -> tuple[str, ...]:
+    """Every speculative_config key exspec takes: the common ones, then each method's own."""
+    return COMMON_SPECULATIVE_KEYS + tuple(
+        key for method in METHODS.declarations() for key in method.keys)
 
 
 def translate(values: dict) -> tuple[dict, list[str]]:
@@ -92,56 +97,46 @@ def translate(values: dict) -> tuple[dict, list[str]]:
 
 
 def _speculative(spec, values: dict) -> dict:
-    """vLLM's speculative_config -> exspec keys. A draft model, an EAGLE-3 head, n-gram prompt
-    lookup or suffix decoding (no draft model); the other methods (EAGLE-1/2, Medusa, MTP) are
-    refused by name."""
+    """vLLM's speculative_config -> exspec keys, for any registered method (speculative.py): one
+    with a model (a draft model, an EAGLE-3 head) or without (n-gram prompt lookup, suffix
+    decoding); the other methods (EAGLE-1/2, Medusa, MTP) are refused by name."""
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be an object, got {spec!r}")
-    unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
+    known = speculative_keys()
+    unknown = sorted(set(spec) - set(known))
     if unknown:
         raise ValueError(f"speculative_config keys not supported by exspec: {', '.join(unknown)} "
-                         f"(supported: {', '.join(SPECULATIVE_KEYS)})")
-    method = spec.get("method", "draft_model")
-    if method not in ("draft_model", "eagle3", "ngram", "suffix"):
-        raise ValueError(f"speculative_config method {method!r} is not supported by exspec; "
-                         f"it speculates with a draft model (method 'draft_model' and 'model'), "
-                         f"an EAGLE-3 head (method 'eagle3' and 'model': the head's folder), "
-                         f"by prompt lookup (method 'ngram') or by suffix decoding (method 'suffix')")
-    suffix = {key: spec[key] for key in SUFFIX_KEYS if key in spec}
-    if suffix and method != "suffix":
-        raise ValueError(f"speculative_config {', '.join(sorted(suffix))}: only for method 'suffix'")
-    lookup = {key: spec[key] for key in ("prompt_lookup_max", "prompt_lookup_min") if key in spec}
-    if method == "suffix":
+                         f"(supported: {', '.join(known)})")
+    name = spec.get("method", DEFAULT_METHOD)
+    if name not in METHODS:
+        usages = [m.usage for m in METHODS.declarations()]
+        raise ValueError(f"speculative_config method {name!r} is not supported by exspec; "
+                         f"it speculates {', '.join(usages[:-1])} or {usages[-1]}")
+    method = METHODS.declared(name)
+    for other in METHODS.declarations():   # another method's keys
+        theirs = sorted(key for key in other.keys if key in spec and key not in method.keys)
+        if theirs and other.name != name:
+            raise ValueError(f"speculative_config {', '.join(theirs)}: only for method {other.name!r}")
+    out = {key: spec[key] for key in method.keys if key in spec}
+    if name != DEFAULT_METHOD:   # the default leaves EngineConfig's proposer as it is
+        out["proposer"] = name
+    if method.model is None:
         if "model" in spec or "draft_model" in values:
-            raise ValueError("speculative_config method 'suffix' proposes without a draft model; "
+            raise ValueError(f"speculative_config method {name!r} proposes without a draft model; "
                              "drop 'model'")
-        if lookup:
-            raise ValueError(f"speculative_config {', '.join(sorted(lookup))}: only for method 'ngram'")
-        # vLLM: without num_speculative_tokens, suffix decoding proposes up to the tree's depth
-        depth = suffix.get("suffix_decoding_max_tree_depth", 24)
-        depth = depth if isinstance(depth, int) and not isinstance(depth, bool) else 24  # (checked at load)
-        return {"proposer": "suffix", **suffix,
-                "num_speculative_tokens": spec.get("num_speculative_tokens", depth)}
-    if method == "ngram":
-        if "model" in spec or "draft_model" in values:
-            raise ValueError("speculative_config method 'ngram' proposes without a draft model; "
-                             "drop 'model'")
-        out = {"proposer": "ngram", **lookup}
-        if "num_speculative_tokens" in spec:
-            out["num_speculative_tokens"] = spec["num_speculative_tokens"]
-        return out
-    if lookup:
-        raise ValueError(f"speculative_config {', '.join(sorted(lookup))}: only for method 'ngram'")
-    if spec.get("draft_tensor_parallel_size", 1) != 1:
-        raise ValueError("speculative_config draft_tensor_parallel_size must be 1 in exspec")
-    if not spec.get("model"):
-        raise ValueError("speculative_config needs 'model': " + (
-            "the EAGLE-3 head's folder" if method == "eagle3" else "the draft model's path or name"))
-    if "draft_model" in values:
-        raise ValueError("model.json sets both speculative_config.model and draft_model; keep one")
-    out = {"draft_model": spec["model"]}
-    if method == "eagle3":
-        out["proposer"] = "eagle3"
+    else:
+        if spec.get("draft_tensor_parallel_size", 1) != 1:
+            raise ValueError("speculative_config draft_tensor_parallel_size must be 1 in exspec")
+        if not spec.get("model"):
+            raise ValueError(f"speculative_config needs 'model': {method.model}")
+        if "draft_model" in values:
+            raise ValueError("model.json sets both speculative_config.model and draft_model; keep one")
+        out["draft_model"] = spec["model"]
     if "num_speculative_tokens" in spec:
         out["num_speculative_tokens"] = spec["num_speculative_tokens"]
+    elif method.k_from is not None:   # vLLM: k from that key (suffix decoding: the tree's depth)
+        default = SpeculativeConfig.default(method.k_from)
+        value = spec.get(method.k_from, default)
+        out["num_speculative_tokens"] = (value if isinstance(value, int) and not isinstance(value, bool)
+                                         else default)   # (checked at load)
     return out

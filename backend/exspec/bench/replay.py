@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import EngineConfig
-from ..engine.llm_engine import proposer_for
+from ..spec.registry import proposer_for
 from ..spec.lookup import StandaloneRow
 from ..vllm_args import translate
 from .flags import at_least, input_file, int_list, model_source, read_jsonl, writable

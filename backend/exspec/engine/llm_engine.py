@@ -26,12 +26,8 @@ from ..outputs import CompletionOutput, RequestOutput
 from ..params import SamplingParams
 from ..sampling.logits_processing import bad_words_token_ids
 from ..sampling.structured_output import Grammars
-from ..spec.draft_model import DraftModelProposer
-from ..spec.eagle3 import Eagle3Proposer
-from ..spec.ngram import NgramProposer
-from ..spec.suffix import SuffixProposer
-from ..spec.proposer import Proposer
-from ..spec.vocab import PaddedVocab, check_vocabularies, logit_rows
+from ..spec.registry import proposer_for
+from ..spec.vocab import check_vocabularies, logit_rows
 from ..utils.faults import Faults
 from ..utils.stats import Stats
 from ..utils.threads import apply_threads, choose_threads
@@ -92,28 +88,6 @@ def kv_bytes_per_entry(model) -> int:
     return 2 * cfg.num_hidden_layers * heads * head_dim * model.dtype.itemsize
 
 
-def proposer_for(config: EngineConfig, pair: ModelPair, pad_id: int) -> Proposer:
-    """The proposer the config asks for, decided once, at load (proposer.py): the draft model,
-    an EAGLE-3 head, prompt lookup, suffix decoding, or none (autoregressive, k = 0: plain
-    decoding on the method's layout)."""
-    if not config.speculative:
-        return Proposer()
-    if config.proposer == "eagle3":
-        if pair.head is None:
-            raise ModelLoadError("proposer 'eagle3': the pair was loaded without its EAGLE-3 head "
-                                 "(load it with proposer 'eagle3' and draft_model: the head's folder)")
-        return Eagle3Proposer(pair.head, pair.target)
-    if config.proposer == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.proposer == "suffix":
-        return SuffixProposer(config.suffix_decoding_max_tree_depth,
-                              config.suffix_decoding_max_cached_requests,
-                              config.suffix_decoding_max_spec_factor,
-                              config.suffix_decoding_min_token_prob,
-                              config.suffix_decoding_max_cached_tokens)
-    return DraftModelProposer(pair.draft, PaddedVocab.of(pair.target, pair.draft, pair.tokenizer, pad_id))
-
-
 def _error(seq: Sequence) -> str | None:
     """A row's error, with the grammar engine's own reason where it gave up on the row (a limit
     it hit leaves no token allowed: the runner's error alone would blame the constraints)."""
@@ -137,7 +111,7 @@ class LLMEngine:
         self.target, self.draft = pair.target, pair.draft
         pad_id = self.tokenizer.pad_token_id
         pad_id = pad_id if pad_id is not None else min(pair.eos_ids, default=0)
-        self.proposer = proposer_for(config, pair, pad_id)
+        self.proposer = proposer_for(config, pair, pad_id)   # its method's (spec/registry.py)
         models = (self.target, *self.proposer.models)
         self.eos_ids = pair.eos_ids
         self.grammars = Grammars(self.tokenizer, self.eos_ids, logit_rows(self.target))

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..config import EngineConfig
 from ..errors import ModelLoadError
-from .eagle3 import load_head
+from ..speculative import METHODS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,7 +24,8 @@ class ModelPair:
     # (model, CUDA graphs or not) -> its compiled decode forward (compiled.py), made once and
     # shared by every engine on this pair (the benchmark builds several)
     decode_forwards: dict = field(default_factory=dict)
-    head: torch.nn.Module | None = None   # an EAGLE-3 head for the target (eagle3.py)
+    head: torch.nn.Module | None = None   # a model on the target's hidden states (an EAGLE-3
+                                          # head, eagle3.py)
 
 
 def _looks_local(name: str) -> bool:
@@ -114,11 +115,12 @@ def _eos_ids(tokenizer, model) -> set[int]:
 
 
 def load_pair(config: EngineConfig) -> ModelPair:
-    draft = None
-    head_folder = config.draft_model if config.proposer == "eagle3" else None
-    if config.method != "autoregressive" and config.draft_model and not head_folder:
-        # first, so that a device_map policy sees the memory the draft takes
-        draft = load_model(config.draft_model, config, "draft")
+    """The target, its tokenizer and what the speculative method loads of its own (its proposer
+    class's `load_draft` and `load_head`, through speculative.METHODS): nothing for
+    autoregressive."""
+    method = METHODS.get(config.proposer) if config.method != "autoregressive" else None
+    # first, so that a device_map policy sees the memory the draft takes
+    draft = method.load_draft(config) if method is not None else None
     target = load_model(config.target_model, config, "target", config.device_map)
     if config.device_map is not None:
         check_spread(target, config.device)
@@ -131,7 +133,6 @@ def load_pair(config: EngineConfig) -> ModelPair:
                                  f"limit of {max_len} positions")
         max_len = config.max_model_len
     pair = ModelPair(tokenizer, target, draft, _eos_ids(tokenizer, target), max_len)
-    if head_folder and config.method != "autoregressive":
-        pair.head = load_head(check_source(head_folder, "EAGLE-3 head"), target,
-                              DTYPES[config.dtype], config.device)
+    if method is not None:
+        pair.head = method.load_head(config, target)
     return pair

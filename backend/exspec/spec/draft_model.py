@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import torch
 
+from ..models.loading import load_model
 from ..sampling.structured_output import apply_masks
+from ..speculative import SpeculativeConfig, SpeculativeMethod
 from .draft_stop import confidence_bin, confidences
 from .proposer import KVState, Plan, Proposal, Proposer, Runner, StepState
 from .vocab import PaddedVocab
 
 
 class DraftModelProposer(Proposer):
-    name = "draft_model"
+    speculative_method = SpeculativeMethod(
+        "draft_model", usage="with a draft model (method 'draft_model' and 'model')",
+        model="the draft model's path or name")
     proposes = True
     gives_confidences = True
 
@@ -25,6 +29,15 @@ class DraftModelProposer(Proposer):
         self.model = model
         self.models = self.kv_models = (model,)
         self.vocab = vocab   # set when draft and target differ by padding rows
+
+    @classmethod
+    def load_draft(cls, config):
+        """The draft LLM (none for k = 0 without one: the method's layout alone)."""
+        return load_model(config.draft_model, config, "draft") if config.draft_model else None
+
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, pair, pad_id: int) -> "DraftModelProposer":
+        return cls(pair.draft, PaddedVocab.of(pair.target, pair.draft, pair.tokenizer, pad_id))
 
     def new_state(self, layout, batch: int, device) -> KVState:
         return KVState(layout.empty(self.model, batch, device), self.model)

@@ -27,7 +27,11 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ModelLoadError
+from ..models.eagle3 import load_head
 from ..models.layer_inputs import LayerInputs
+from ..models.loading import DTYPES, check_source
+from ..speculative import SpeculativeConfig, SpeculativeMethod
 from .draft_model import DraftModelProposer
 from .proposer import KVState, Plan, Proposal, Runner, StepState
 
@@ -109,12 +113,33 @@ class HeadState(KVState):
 
 
 class Eagle3Proposer(DraftModelProposer):
-    name = "eagle3"
+    speculative_method = SpeculativeMethod(
+        "eagle3", usage="an EAGLE-3 head (method 'eagle3' and 'model': the head's folder)",
+        model="the EAGLE-3 head's folder")
 
     def __init__(self, head, target):
         super().__init__(head)   # self.model: the head
         self.layer_inputs = LayerInputs.of(target, head.layer_ids)
         self._feature: torch.Tensor | None = None   # the next forward's features, while drafting
+
+    @classmethod
+    def load_draft(cls, config):
+        return None   # its model is a head on the target: load_head
+
+    @classmethod
+    def load_head(cls, config, target):
+        """The head (models/eagle3.py), on the target it reads."""
+        if not config.draft_model:
+            return None
+        return load_head(check_source(config.draft_model, "EAGLE-3 head"), target,
+                         DTYPES[config.dtype], config.device)
+
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, pair, pad_id: int) -> "Eagle3Proposer":
+        if pair.head is None:
+            raise ModelLoadError("proposer 'eagle3': the pair was loaded without its EAGLE-3 head "
+                                 "(load it with proposer 'eagle3' and draft_model: the head's folder)")
+        return cls(pair.head, pair.target)
 
     def new_state(self, layout, batch: int, device) -> HeadState:
         return HeadState.empty(layout.empty(self.model, batch, device), self.model, batch, device)

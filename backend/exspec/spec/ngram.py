@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 
+from ..speculative import SpeculativeConfig, SpeculativeMethod
 from .lookup import LookupProposer
 from .proposer import Row
 
@@ -58,8 +59,17 @@ class NgramIndex:
         return []
 
 
+def _check_lookup(spec: SpeculativeConfig) -> None:
+    if spec.prompt_lookup_min > spec.prompt_lookup_max:
+        raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy "
+                         f"1 <= min <= max, got {spec.prompt_lookup_min} and "
+                         f"{spec.prompt_lookup_max}")
+
+
 class NgramProposer(LookupProposer):
-    name = "ngram"
+    speculative_method = SpeculativeMethod(
+        "ngram", usage="by prompt lookup (method 'ngram')",
+        keys=("prompt_lookup_max", "prompt_lookup_min"), check=_check_lookup)
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n = min_n
@@ -69,6 +79,10 @@ class NgramProposer(LookupProposer):
         self.index_budget = max(64, 3072 // (max_n - min_n + 1))
         # each row's index, while its sequence lives (freed at its request's end, or with it)
         self.indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, pair, pad_id: int) -> "NgramProposer":
+        return cls(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """`NgramIndex.lookup` on a history seen once (the rows' own indexes persist)."""

@@ -15,6 +15,10 @@ takes part at each point:
 Its per-group state (`new_state`: a KV cache, or nothing) rides in the Group opaquely: the group
 keeps, merges and realigns it with its own rows. Its capabilities (`proposes`,
 `gives_confidences`, `models`, `kv_models`) are what the scheduler and the warm-up read.
+
+A method lives in its class: `speculative_method` declares what the configuration holds for it
+(speculative.py), `load_draft` / `load_head` load its weights with the target's (models/loading.py
+calls them), `from_config` builds it; spec/registry.py lists the classes and is the one factory.
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from ..config import EngineConfig
+    from ..models.loading import ModelPair
+    from ..speculative import SpeculativeConfig, SpeculativeMethod
     from ..sampling.sampler import RowSampling
     from ..sampling.structured_output import RowGrammar, StepMasks
     from ..utils.stats import Stats
@@ -148,7 +155,8 @@ class Proposer:
     """The interface (module doc); this base is also the proposer of plain decoding: it proposes
     nothing, keeps nothing and runs no model."""
 
-    name = "none"
+    speculative_method: SpeculativeMethod | None = None   # its name, keys, model (speculative.py);
+                               # None: not a method of its own (plain decoding, a shared base)
     proposes = False           # whether any step can verify drafts
     gives_confidences = False  # its drafts' confidences can end a round early (draft_stop.py)
     proposes_on_host = False   # its proposals are known at `plan`, so adaptive k prices each
@@ -157,6 +165,25 @@ class Proposer:
     models: tuple = ()         # models it runs: compiled and warmed up with the target
     kv_models: tuple = ()      # models it keeps a KV cache of per group, in the layout's stores
     vocab = None               # how its ids and logits map to the target's (vocab.PaddedVocab)
+
+    # -- loading and building: what the registry's one factory asks of a method ----------------
+    @classmethod
+    def load_draft(cls, config: EngineConfig):
+        """A model of its own loaded before the target, beside it (a draft LLM: its positions
+        limit the pair's, a device_map policy sees its memory): ModelPair.draft. None: none."""
+        return None
+
+    @classmethod
+    def load_head(cls, config: EngineConfig, target):
+        """A model of its own loaded onto the loaded target (an EAGLE-3 head reads its hidden
+        states): ModelPair.head. None: none."""
+        return None
+
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, pair: ModelPair | None, pad_id: int) -> "Proposer":
+        """The proposer for this configuration on this pair (None for a method that loads no
+        model: it needs none of the pair)."""
+        return cls()
 
     def new_state(self, layout, batch: int, device):
         """Its state for a new group of `batch` rows, all empty."""

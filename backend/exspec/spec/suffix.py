@@ -20,8 +20,14 @@ import threading
 import weakref
 from collections import OrderedDict
 
+from ..speculative import SpeculativeConfig, SpeculativeMethod
 from .lookup import LookupProposer
 from .proposer import Row
+
+# vLLM's suffix keys; the last is exspec's own (vLLM caps the global tree by requests only)
+SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+               "suffix_decoding_max_cached_tokens")
 
 
 class _Node:
@@ -204,7 +210,10 @@ class SuffixTree:
 
 
 class SuffixProposer(LookupProposer):
-    name = "suffix"
+    # vLLM: without num_speculative_tokens, suffix decoding proposes up to the tree's depth
+    speculative_method = SpeculativeMethod(
+        "suffix", usage="by suffix decoding (method 'suffix')", keys=SUFFIX_KEYS,
+        k_from="suffix_decoding_max_tree_depth")
     learns_across_requests = True   # the global tree of earlier outputs
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000,
@@ -228,6 +237,12 @@ class SuffixProposer(LookupProposer):
         self._next_id = 0
         # the engine thread proposes and ends requests; an abort may end one from another
         self.lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, spec: SpeculativeConfig, pair, pad_id: int) -> "SuffixProposer":
+        return cls(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+                   spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
+                   spec.suffix_decoding_max_cached_tokens)
 
     def index(self, row: Row, budget: int | None = None) -> int:
         tree = self.local.get(row)
