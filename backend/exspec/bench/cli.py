@@ -50,6 +50,7 @@ from .. import EngineConfig
 from ..models.eagle3 import load_head
 from ..models.loading import DTYPES, load_pair
 from ..sampling.sampler import COUPLINGS
+from ..utils.machine import processor_name
 from ..utils.threads import apply_threads, choose_threads
 from .equivalence import Reference
 from .flags import at_least, input_file, int_list, model_source, read_jsonl, writable
@@ -364,14 +365,7 @@ def build_deep_narrow_pair(out_dir: str) -> Path:
 
 
 def machine_info(args, costs: CostModel | None) -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = processor_name()
     import transformers
     info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
