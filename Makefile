@@ -57,7 +57,7 @@ demo: venv real-pair
 # tests (model_repository/: models exspec and exspec_unary).
 SMOLLM2_DIR ?= $(or $(EXSPEC_SMOLLM2_DIR),$(HOME)/.cache/exspec/smollm2-135m-instruct)
 serve: venv real-pair
-	@echo "== serving model smollm2 from $(SMOLLM2_DIR)/model_repository; ready when the banner says so (~15 s)"
+	@echo "== serving model smollm2 from $(SMOLLM2_DIR)/model_repository; ready when the banner says so (20-50 s on 2 cores)"
 	$(BIN)/exspec-serve --model-repository $(SMOLLM2_DIR)/model_repository
 
 serve-toy: venv
