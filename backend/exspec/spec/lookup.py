@@ -62,16 +62,20 @@ class LookupProposer(Proposer):
         self.index(row)
         return self.propose_indexed(row, k)
 
-    def plan(self, runner: Runner, seqs, k: int, width_for=None) -> Plan:
-        if k == 0:
-            return Plan(0, [0] * len(seqs))
-        # one-off work, bounded a step: the pool leaves prefill time out of the step's price
+    def index_rows(self, runner: Runner, seqs, k: int) -> None:
+        """Each row's index takes its new tokens, a new prompt a share of `index_budget` (module
+        doc); timed as prefill: one-off work, bounded a step, left out of the step's price."""
         with runner.stats.timer("prefill"):
             budget, indexed = self.index_budget, 0
             for s in seqs:   # each row indexes at least what a step commits, to stay current
                 done = self.index(s, max(budget, k + 1))
                 budget, indexed = budget - done, indexed + done
         runner.stats.add("indexed_tokens", indexed)
+
+    def plan(self, runner: Runner, seqs, k: int, width_for=None) -> Plan:
+        if k == 0:
+            return Plan(0, [0] * len(seqs))
+        self.index_rows(runner, seqs, k)
         with runner.stats.timer("draft"):
             proposals = [self.propose_indexed(s, s.drafts_at(k)) for s in seqs]
             # a constrained row proposes only what its grammar accepts

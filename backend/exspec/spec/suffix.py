@@ -251,15 +251,21 @@ class SuffixProposer(LookupProposer):
         return tree.extend(0, row.tokens, budget)
 
     def propose_indexed(self, row: Row, k: int) -> list[int]:
+        return self.propose_scored(row, k)[0]
+
+    def propose_scored(self, row: Row, k: int) -> tuple[list[int], float]:
+        """`propose_indexed`'s proposal and its score: the sum of its tokens' path
+        probabilities, the tokens it expects kept if the trees' frequencies were the target's
+        (the hybrid weighs it against a model's drafts: hybrid.py)."""
         if k <= 0:
-            return []
+            return [], 0.0
         args = (k, self.max_spec_factor, self.min_token_prob)
         own, own_score = self.local[row].speculate(row.tokens, *args)
         with self.lock:
             if not len(self.global_tree):
-                return own
+                return own, own_score
             seen, seen_score = self.global_tree.speculate(row.tokens, *args)
-        return own if own_score >= seen_score else seen
+        return (own, own_score) if own_score >= seen_score else (seen, seen_score)
 
     def forget(self) -> None:
         with self.lock:
