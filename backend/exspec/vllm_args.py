@@ -47,8 +47,8 @@ COMMON_SPECULATIVE_KEYS = ("model", "method", "num_speculative_tokens", "draft_t
 
 def speculative_keys() -> tuple[str, ...]:
     """Every speculative_config key exspec takes: the common ones, then each method's own."""
-    return COMMON_SPECULATIVE_KEYS + tuple(
-        key for method in METHODS.declarations() for key in method.keys)
+    return tuple(dict.fromkeys(COMMON_SPECULATIVE_KEYS + tuple(
+        key for method in METHODS.declarations() for key in method.keys)))
 
 
 def translate(values: dict) -> tuple[dict, list[str]]:
@@ -113,10 +113,12 @@ def _speculative(spec, values: dict) -> dict:
         raise ValueError(f"speculative_config method {name!r} is not supported by exspec; "
                          f"it speculates {', '.join(usages[:-1])} or {usages[-1]}")
     method = METHODS.declared(name)
-    for other in METHODS.declarations():   # another method's keys
+    for other in METHODS.declarations():   # another method's keys (some share theirs)
         theirs = sorted(key for key in other.keys if key in spec and key not in method.keys)
         if theirs and other.name != name:
-            raise ValueError(f"speculative_config {', '.join(theirs)}: only for method {other.name!r}")
+            owners = [m.name for m in METHODS.declarations() if set(theirs) <= set(m.keys)]
+            raise ValueError(f"speculative_config {', '.join(theirs)}: only for method "
+                             f"{' or '.join(map(repr, owners))}")
     out = {key: spec[key] for key in method.keys if key in spec}
     if name != DEFAULT_METHOD:   # the default leaves EngineConfig's proposer as it is
         out["proposer"] = name
