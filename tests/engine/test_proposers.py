@@ -62,7 +62,24 @@ def suffix(pairs, cyclic):
     return target, dict(draft_model=None, proposer="suffix", suffix_decoding_max_tree_depth=8), prompts
 
 
-PROPOSERS = {"draft_model": draft_model, "eagle3": eagle3, "ngram": ngram, "suffix": suffix}
+def eagle3_suffix(pairs, cyclic):
+    """Suffix decoding with the EAGLE-3 head (hybrid.py): the head's target and prompts, and some
+    of them again, which suffix decoding proposes from the earlier requests' outputs where
+    they repeat (test_hybrid.py checks that both are taken)."""
+    target, config, prompts = eagle3(pairs, cyclic)
+    return (target, {**config, "proposer": "eagle3_suffix", "suffix_decoding_max_tree_depth": 8},
+            prompts + prompts[:6])
+
+
+def draft_model_suffix(pairs, cyclic):
+    """Suffix decoding with the draft model, as eagle3_suffix with the head."""
+    target, config, prompts = draft_model(pairs, cyclic)
+    return (target, {**config, "proposer": "draft_model_suffix", "suffix_decoding_max_tree_depth": 8},
+            prompts + prompts[:6])
+
+
+PROPOSERS = {"draft_model": draft_model, "eagle3": eagle3, "ngram": ngram, "suffix": suffix,
+             "eagle3_suffix": eagle3_suffix, "draft_model_suffix": draft_model_suffix}
 
 
 _heads: dict = {}

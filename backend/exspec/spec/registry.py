@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from ..speculative import METHODS
 from .draft_model import DraftModelProposer
 from .eagle3 import Eagle3Proposer
+from .hybrid import DraftModelSuffixProposer, Eagle3SuffixProposer
 from .ngram import NgramProposer
 from .proposer import Proposer
 from .suffix import SuffixProposer
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
     from ..models.loading import ModelPair
 
 # vLLM's speculative_config methods exspec runs, in the order its errors list them
-BUILT_IN = (DraftModelProposer, Eagle3Proposer, NgramProposer, SuffixProposer)
+BUILT_IN = (DraftModelProposer, Eagle3Proposer, NgramProposer, SuffixProposer, Eagle3SuffixProposer,
+            DraftModelSuffixProposer)
 
 
 def register(proposer: type[Proposer]) -> None:
