@@ -1,0 +1,111 @@
+"""Nothing compiles after READY: a randomized serving session on the compiled path (design: "The
+fast decode path"). After the engine's warm-up, requests arrive at random ticks and some are
+aborted; they share prompt prefixes (prefix-cache hits), some prompts are longer than a tick's
+token budget (chunked prefill), some ask for n > 1 samples or a structured output, each caps its
+own k (plain steps among speculative ones, adaptive k moving), and contexts grow across the
+block store's table buckets. Dynamo's counters must not move, nothing may be logged as a new
+shape, and every greedy token is the target-only one.
+
+Dynamo's guards decide recompiles, so Dynamo's "eager" backend covers both methods quickly;
+inductor's lowering may add guards of its own, so the served backend runs the session too, with
+inductor's counters.
+"""
+import logging
+import random
+
+import pytest
+import torch
+import torch._dynamo.utils
+
+from exspec import SamplingParams
+from exspec.models import compiled
+
+from enginekit import make_engine, run_schedule
+from test_compiled import NEW_SHAPE
+
+MAX_BATCH = 4
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()   # each engine's models are new: start from an empty code cache
+    yield
+    torch._dynamo.reset()
+
+
+def compile_counts() -> dict:
+    """Dynamo's graphs and breaks, and inductor's graph compilations (FX graph cache lookups:
+    a hit or a miss is one graph built for inductor)."""
+    inductor = torch._dynamo.utils.counters["inductor"]
+    return {**compiled.dynamo_counts(),
+            "inductor_graphs": inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_hit"]
+            + inductor["fxgraph_cache_bypass"]}
+
+
+def session(eos: int, vocab: int, seed: int, count: int):
+    """Random requests: (arrivals, aborts, params, prompts). Prompts of 2-150 tokens, half of
+    them starting with one of two shared 40-token prefixes; max_tokens up to 90, so contexts run
+    from a block to past 128 columns (table widths 1 .. 16 blocks)."""
+    rng = random.Random(seed)
+    token = lambda: rng.choice([t for t in range(1, vocab) if t != eos])   # noqa: E731
+    prefixes = [[token() for _ in range(40)] for _ in range(2)]
+    arrivals, aborts, params, prompts = {}, {}, {}, {}
+    for i in range(count):
+        rid = f"r{i}"
+        body = [token() for _ in range(rng.choice([2, 5, 17, 60, 110]))]
+        prompt = (rng.choice(prefixes) + body) if i % 2 else body
+        prompts[rid] = prompt
+        kind = i % 5
+        extra = {}
+        if kind == 3:
+            extra = dict(n=2, temperature=0.9, seed=i)
+        elif kind == 4:
+            extra = dict(structured_outputs={"choice": ["alpha beta", "gamma"]})
+        params[rid] = SamplingParams(max_tokens=rng.randint(3, 90), ignore_eos=rng.random() < 0.3,
+                                     num_speculative_tokens=rng.choice([None, None, 0, 1, 2]),
+                                     **extra)
+        tick = rng.randint(0, 30)
+        arrivals.setdefault(tick, []).append((rid, prompt))
+        if rng.random() < 0.2:
+            aborts.setdefault(tick + rng.randint(1, 6), []).append(rid)
+    return arrivals, aborts, params, prompts
+
+
+# inductor (C++ kernels): its lowering may add guards of its own, so the served backend runs the
+# session too; a cold warm-up of the pair takes 1-3 minutes on 2 cores
+@pytest.mark.parametrize("method,backend", [("exspec", "eager"), ("eqspec", "eager"),
+                                            ("exspec", "inductor")])
+def test_a_random_session_compiles_nothing_after_warm_up(pairs, reference, method, backend,
+                                                         monkeypatch, caplog):
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", backend)
+    engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=MAX_BATCH,
+                         max_num_seqs=6, adaptive_k=True, num_speculative_tokens=4,
+                         max_num_batched_tokens=64, enforce_eager=False)
+    assert engine.warm_up.graph_breaks == 0, engine.warm_up.describe()
+    before = compile_counts()
+    if backend == "inductor":
+        assert before["inductor_graphs"] >= engine.warm_up.graphs > 0, before
+    vocab = len(engine.tokenizer)
+    arrivals, aborts, params, prompts = session(pairs["llama", "eos"], vocab, seed=7, count=24)
+    with caplog.at_level(logging.WARNING, logger="exspec"):
+        outputs, finished, _ = run_schedule(engine, arrivals, aborts, params)
+
+    assert compile_counts() == before, f"after warm-up: {before} -> {compile_counts()}"
+    assert not [r.getMessage() for r in caplog.records if NEW_SHAPE in r.getMessage()]
+    # the session met what it claims to: every row count, plain and speculative steps,
+    # prefix-cache hits and chunked prefills
+    stats = engine.stats()
+    shapes = stats["steps_by_shape"]
+    assert {s["rows"] for s in shapes} >= set(range(1, MAX_BATCH + 1)), shapes
+    assert 0 in {s["k"] for s in shapes} and max(s["k"] for s in shapes) >= 2, shapes
+    if method == "exspec":
+        assert stats["prefix_cache_hits"] > 0, stats
+    assert any(len(p) > 64 for p in prompts.values())
+    for rid, prompt in prompts.items():
+        p = params[rid]
+        if p.n > 1 or p.structured_outputs is not None or finished[rid].finish_reason == "abort":
+            continue
+        tokens = [t for out in outputs[rid] for t in out.new_token_ids]
+        ref = reference(pairs["llama", "target"], prompt, p.max_tokens)   # stops at EOS
+        got = tokens[:len(ref)] if p.ignore_eos else tokens
+        assert got == ref, f"{rid}: got {tokens}, expected {ref}"
