@@ -109,3 +109,19 @@ def test_a_random_session_compiles_nothing_after_warm_up(pairs, reference, metho
         ref = reference(pairs["llama", "target"], prompt, p.max_tokens)   # stops at EOS
         got = tokens[:len(ref)] if p.ignore_eos else tokens
         assert got == ref, f"{rid}: got {tokens}, expected {ref}"
+
+
+def test_inputs_of_other_strides_compile_nothing_after_warm_up(pairs, monkeypatch, caplog):
+    """Dynamo guards strides as well as sizes: the benchmark's forward costs feed positions
+    broadcast over rows (stride 0), which compiled a new graph after the warm-up (seen with
+    inductor on the deep-narrow pair) until the runner made compiled inputs contiguous."""
+    from exspec.bench.paths import forward_costs
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=4,
+                         num_speculative_tokens=3, enforce_eager=False)
+    before = compile_counts()
+    with caplog.at_level(logging.WARNING, logger="exspec"):
+        rows = forward_costs(engine, [1, 4], 3, repeats=1)
+    assert len(rows) == 4
+    assert compile_counts() == before, f"after warm-up: {before} -> {compile_counts()}"
+    assert not [r.getMessage() for r in caplog.records if NEW_SHAPE in r.getMessage()]

@@ -161,6 +161,10 @@ class ModelRunner:
         forward = self.decode_forwards.get(model, model) if decode else model
         if forward is not model:   # compiled: inputs of one stride pattern (a copy on EQSPEC's views)
             self.stats.add("realign_bytes", kv.make_contiguous())
+            # Dynamo guards strides too: an expanded or sliced input (positions broadcast over
+            # rows, say) would compile a new graph after the warm-up
+            ids, pos, valid = ids.contiguous(), pos.contiguous(), valid.contiguous()
+            features = None if features is None else features.contiguous()
             if ids.shape[1] == 1 and kv.free_pads:
                 # fed as two tokens, a pad first (its entry goes to scratch): torch compiles a
                 # width of 1 apart, so this halves the graphs the warm-up compiles
