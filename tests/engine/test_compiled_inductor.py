@@ -55,3 +55,26 @@ def test_inductor_path_recompiles_nothing_after_warm_up_and_matches_target_greed
         tokens = [t for out in outputs[rid] for t in out.new_token_ids]
         expected = ref if finished[rid].finish_reason != "abort" else ref[:len(tokens)]
         assert tokens == expected, f"{rid}: got {tokens}, expected {expected}"
+
+
+def test_a_restart_reuses_the_compile_cache_and_the_warm_up_says_so(pairs, tmp_path, monkeypatch, caplog):
+    """Two starts on one compile cache folder (a restart: Dynamo's in-memory state reset between
+    them): the first builds every inductor graph, the second builds none and reuses them all,
+    and each warm-up ends with a line saying so (and where the cache is)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    summaries = []
+    for start in ("cold", "warm"):
+        torch._dynamo.reset()
+        with caplog.at_level(logging.INFO, logger="exspec"):
+            caplog.clear()
+            engine = make_engine(pairs, "llama", "noisy", method="autoregressive", max_batch_size=2,
+                                 enforce_eager=False)
+        warm = engine.warm_up
+        summaries.append(warm.inductor)
+        lines = [r.getMessage() for r in caplog.records if "compiled decode path ready" in r.getMessage()]
+        assert lines == [warm.summary()], lines
+        assert f"compiled {warm.graphs} graphs" in lines[0] and str(tmp_path / "cache") in lines[0]
+        assert any("warm-up: 2 row(s) done" in r.getMessage() for r in caplog.records)
+    (cold, warm) = summaries
+    assert cold["built"] > 0 and cold["reused"] == 0, summaries
+    assert warm["built"] == 0 and warm["reused"] == cold["built"], summaries

@@ -167,6 +167,7 @@ class LLMEngine:
                 self.target.get_output_embeddings().weight.shape[0])
         finally:
             self.runner.stats = stats
+        compiled.log.info(self.warm_up.summary())
         captured = self.warm_up.cuda_graphs
         if captured is not None and (captured["skips"] or not captured["recorded"]):
             raise ModelLoadError(f"CUDA graph capture did not happen on the compiled path "

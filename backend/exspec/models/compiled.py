@@ -54,11 +54,14 @@ was skipped or none captured (`cuda_graph_counts`).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch._dynamo.utils
+from tqdm.auto import tqdm
 from transformers.cache_utils import Cache
 
 from ..config import log
@@ -341,6 +344,24 @@ def dynamo_counts() -> dict[str, int]:
             "graph_breaks": sum(counters["graph_break"].values())}
 
 
+def compile_cache_dir() -> str:
+    """Where inductor keeps what it built (FX graphs, kernels, AOT autograd's graphs), so that a
+    restart reuses them: $TORCHINDUCTOR_CACHE_DIR when set, else exspec's own cache folder
+    ($XDG_CACHE_HOME or ~/.cache, then exspec/torch_compile) instead of torch's default under
+    /tmp, which a container or a reboot loses. Set before the first compile of the process."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "exspec" / "torch_compile")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def inductor_cache_counts() -> dict[str, int]:
+    """Graphs inductor looked up in its FX graph cache, process-wide: found (reused from an
+    earlier start) or missed (built now)."""
+    counters = torch._dynamo.utils.counters["inductor"]
+    return {"reused": counters["fxgraph_cache_hit"], "built": counters["fxgraph_cache_miss"]}
+
+
 @dataclass
 class WarmUp:
     graphs: int
@@ -348,6 +369,8 @@ class WarmUp:
     seconds: float
     compiled: list[str] = field(default_factory=list)   # per model, what was compiled (describe)
     cuda_graphs: dict[str, int] | None = None            # cuda_graph_counts() after, if used
+    inductor: dict[str, int] | None = None               # inductor_cache_counts() moved by it
+    cache_dir: str | None = None                         # compile_cache_dir(), inductor only
 
     def describe(self) -> str:
         captured = ("" if self.cuda_graphs is None else
@@ -355,6 +378,18 @@ class WarmUp:
                     f"({self.cuda_graphs['skips']} skipped)")
         return (f"{self.graphs} graphs, {self.graph_breaks} graph breaks{captured}, warm-up "
                 f"{self.seconds:.1f} s; " + "; ".join(self.compiled))
+
+    def summary(self) -> str:
+        """The closing line of a warm-up: what it compiled, in how long, and what the compile
+        cache saved."""
+        cache = ""
+        if self.inductor is not None:
+            cache = (f"; inductor: {self.inductor['built']} graph(s) built, "
+                     f"{self.inductor['reused']} reused from the compile cache {self.cache_dir}")
+        captured = ("" if self.cuda_graphs is None else
+                    f", captured {self.cuda_graphs['recorded']} CUDA graphs")
+        return (f"exspec: compiled decode path ready: compiled {self.graphs} graphs{captured} in "
+                f"{self.seconds:.1f} s{cache}")
 
 
 # The row counts the warm-up steps: torch specialises 1 and keeps any other count symbolic, so
@@ -370,34 +405,54 @@ def warm_up_schedule(k: int) -> list[int]:
     return [k, 0, k, 0, 0, 0, k] if k > 0 else [0, 0]
 
 
-def warm_up(runner, make_sequence, k: int, vocab_size: int) -> WarmUp:
+def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | None = None) -> WarmUp:
     """Run every decode forward kind at 1 and 2 rows so that all compiling happens now.
     `make_sequence(request_id, prompt_ids, params)` builds an engine Sequence. With CUDA graphs
-    the schedule runs twice: cudagraph trees run a graph's first call without capturing it."""
+    the schedule runs twice: cudagraph trees run a graph's first call without capturing it.
+    `progress`: a progress bar of the warm-up's steps on stderr (None: where stderr is a
+    terminal); each row count's steps also end with a log line, for server logs."""
     forwards = [runner.decode_forwards[m] for m in (runner.target, *runner.proposer.models)
                 if m in runner.decode_forwards]
     cuda_graphs = any(f.cuda_graphs for f in forwards)
     rounds = 2 if cuda_graphs else 1
     for forward in forwards:   # compiling now is the point (a pair's forwards serve each engine built on it)
         forward.warm = False
-    before, start = dynamo_counts(), time.perf_counter()
+    inductor = COMPILE_BACKEND == "inductor"
+    cache_dir = compile_cache_dir() if inductor else None
+    before, start, cache_before = dynamo_counts(), time.perf_counter(), inductor_cache_counts()
     skips_before = cuda_graph_counts()["skips"] if cuda_graphs else 0
     params = SamplingParams(max_tokens=8 * (k + 1) * rounds, ignore_eos=True)   # never finishes here
-    for batch in WARM_UP_ROWS:   # whole rounds (no draft stop): the k + 1 verification too
-        # periodic prompts, so that an n-gram proposer proposes in its first step
-        prompts = [[(7 * i + 3 * (j % 2) + 1) % vocab_size for j in range(5 + 3 * i)] for i in range(batch)]
-        group = runner.new_group([make_sequence(f"warm-up-{batch}-{i}", p, params)
-                                  for i, p in enumerate(prompts)])
-        runner.prefill(group, [len(p) for p in prompts])
-        for step_k in warm_up_schedule(k if runner.proposer.proposes else 0) * rounds:
-            runner.step(group, step_k)
-            group.realign()
+    schedule = warm_up_schedule(k if runner.proposer.proposes else 0) * rounds
+    bar = tqdm(total=len(WARM_UP_ROWS) * len(schedule), unit="step", disable=_no_bar(progress),
+               desc="exspec: compiling the decode path (warm-up)")
+    with bar:
+        for batch in WARM_UP_ROWS:   # whole rounds (no draft stop): the k + 1 verification too
+            # periodic prompts, so that an n-gram proposer proposes in its first step
+            prompts = [[(7 * i + 3 * (j % 2) + 1) % vocab_size for j in range(5 + 3 * i)]
+                       for i in range(batch)]
+            group = runner.new_group([make_sequence(f"warm-up-{batch}-{i}", p, params)
+                                      for i, p in enumerate(prompts)])
+            runner.prefill(group, [len(p) for p in prompts])
+            for step_k in schedule:
+                runner.step(group, step_k)
+                group.realign()
+                bar.update()
+            log.info("exspec: warm-up: %d row(s) done (%d steps), %d graphs compiled so far, %.1f s",
+                     batch, len(schedule), dynamo_counts()["graphs"] - before["graphs"],
+                     time.perf_counter() - start)
     for forward in forwards:
         forward.warm = True
-    after = dynamo_counts()
+    after, cache_after = dynamo_counts(), inductor_cache_counts()
     captured = None
     if cuda_graphs:
         captured = cuda_graph_counts()
         captured["skips"] -= skips_before
     return WarmUp(after["graphs"] - before["graphs"], after["graph_breaks"] - before["graph_breaks"],
-                  time.perf_counter() - start, [f.describe() for f in forwards], captured)
+                  time.perf_counter() - start, [f.describe() for f in forwards], captured,
+                  {key: cache_after[key] - cache_before[key] for key in cache_after} if inductor else None,
+                  cache_dir)
+
+
+def _no_bar(progress: bool | None) -> bool | None:
+    """tqdm's `disable`: None lets it decide (off where stderr is no terminal)."""
+    return None if progress is None else not progress
