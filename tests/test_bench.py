@@ -35,11 +35,15 @@ CELL_SCHEMA = {   # key: (allowed types, may be null)
 SHARES = ("exact_match_share", "prefix_match_mean", "acceptance_rate", "realign_share",
           "equal_length_step_share")
 METHODS = ("autoregressive", "eqspec", "exspec", "eqspec_eagle3", "exspec_eagle3", "eqspec_ngram",
-           "exspec_ngram", "eqspec_suffix", "exspec_suffix", "hf_generate", "hf_assisted")
+           "exspec_ngram", "eqspec_suffix", "exspec_suffix", "eqspec_eagle3_suffix",
+           "exspec_eagle3_suffix", "eqspec_draft_model_suffix", "exspec_draft_model_suffix",
+           "hf_generate", "hf_assisted")
 
 
 def check_schema(results: dict) -> None:
-    assert set(results) - {"paths"} == {"schema", "command", "machine", "config", "cells"}, sorted(results)
+    # paths: with --paths compiled; tokens_per_step: with --tokens-per-step also
+    assert set(results) - {"paths", "tokens_per_step"} == {"schema", "command", "machine", "config",
+                                                           "cells"}, sorted(results)
     assert results["schema"] == 1
     assert isinstance(results["command"], str) and results["command"].startswith("exspec-bench")
     assert isinstance(results["machine"], dict) and isinstance(results["config"], dict)

@@ -48,6 +48,8 @@ class SpeculativeMethod:
     keys: tuple[str, ...] = ()       # the speculative keys only it reads (vLLM's names)
     k_from: str | None = None        # vLLM: without num_speculative_tokens, k is this key's value
     check: Callable[["SpeculativeConfig"], None] | None = None   # its rule across its own keys
+    head: bool = False               # its model is a head on the target's hidden states (an
+                                     # EAGLE-3 head, load_head), not an LLM of its own
 
 
 class MethodEntry(Protocol):

@@ -29,6 +29,8 @@ only and are left out.
         --methods autoregressive,eqspec,exspec --out bench_out/paths
     exspec-bench --temperature 0.7 --top-p 0.95 --sampling-couplings gumbel,rejection \
         --methods autoregressive,eqspec,exspec --out bench_out/t07
+    exspec-bench --pair smollm2 --tokens-per-step -k 4 --num-prompts 4 --max-tokens 64 \
+        --out bench_out/tokens_per_step   # per prompt category, every method, nothing timed
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ from .equivalence import Reference
 from .flags import at_least, input_file, int_list, model_source, writable
 from .ideal import CostModel
 from .methods import (HF_METHODS, METHODS, SPECULATIVE_METHODS, CellKey, EngineMethod, HFModels, Prompt,
-                      Run, make_method, run_interleaved)
+                      Run, make_method, missing_models, model_of, run_interleaved)
 from .paths import forward_costs
 # the prompts live in prompt_sets.py; these names stay reachable here (tests, replay.py)
 from .prompt_sets import (PROMPT_SET_NAMES, PROMPT_SETS, chat_of_turns, read_prompts,  # noqa: F401
@@ -64,7 +66,6 @@ from .prompt_sets import (PROMPT_SET_NAMES, PROMPT_SETS, chat_of_turns, read_pro
 
 DEMO_DIR = Path(__file__).resolve().parents[3] / "model_repository" / "exspec" / "1" / "demo"
 SPECULATIVE = (*SPECULATIVE_METHODS, "hf_assisted")
-DRAFTED = ("eqspec", "exspec", "hf_assisted")   # the speculative methods that need a draft model
 DEFAULT_METHODS = ",".join(m for m in METHODS if not m.endswith(("_suffix", "_eagle3")))
 
 
@@ -166,8 +167,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--target", help="target model (default: the demo pair's)")
     ap.add_argument("--draft", help="draft model (default: the demo pair's)")
     ap.add_argument("--tokenizer", help="tokenizer (default: the demo pair's, else the target's)")
-    ap.add_argument("--eagle3", help="an EAGLE-3 head's folder for the *_eagle3 methods (default "
-                    "with --pair smollm2: the shipped head, where there is one)")
+    ap.add_argument("--eagle3", help="an EAGLE-3 head's folder for the *_eagle3 and *_eagle3_suffix "
+                    "methods (default with --pair smollm2: the shipped head, where there is one)")
     ap.add_argument("--prompts", type=Path, help="SpecBench JSONL (default: the demo prompts)")
     ap.add_argument("--prompt-set", choices=PROMPT_SET_NAMES,
                     help="a prompt set shipped here instead of --prompts, each turn put through "
@@ -198,7 +199,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help=f"comma list of {', '.join(METHODS)} (default: all but the *_suffix "
                     "ones, whose global tree needs a workload that repeats across requests, and "
                     "the *_eagle3 ones, which need a head: --eagle3; with --pair smollm2 and its "
-                    "shipped head, those too)")
+                    "shipped head, those too; with --tokens-per-step, every exspec_* method whose "
+                    "draft or head is at hand)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-stop", type=_draft_stop, default=None, metavar="auto|C",
                     help="adaptive k's draft stop (model.json draft_stop_confidence): auto, or a "
@@ -231,7 +233,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="torch CPU threads (default: the server's rule: $OMP_NUM_THREADS, else 1)")
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument("--tokens-per-step", nargs="?", const="only", choices=("only", "also"),
+                    help="tokens per target step per prompt category, every speculative method "
+                         "side by side (bench/tokens_per_step.py): batch 1, fixed -k, greedy, no "
+                         "timing; rows the shipped prompt sets (--prompt-set: that one; --prompts: "
+                         "the file's categories), --num-prompts of each. Alone (or 'only'): this "
+                         "table only, in results.json and results.md (the real pair, 4 prompts "
+                         "of 64 tokens a set: ~10 minutes on 2 CPU cores); 'also': after the "
+                         "timed run, beside its cells")
     args = ap.parse_args(argv)
+    args.prompts_given = args.prompts is not None
     at_least(ap, {"-k": args.k, "--num-prompts": args.num_prompts, "--max-tokens": args.max_tokens,
                   "--repeats": args.repeats, "--threads": args.threads}, 1)
     at_least(ap, {"--warm-prompts": args.warm_prompts, "--seed": args.seed}, 0)
@@ -248,6 +259,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.fixed_k = int_list(ap, "--fixed-k", args.fixed_k, "k's", 0, args.k)
     if args.temperature < 0:
         ap.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.tokens_per_step and args.temperature > 0:
+        ap.error("--tokens-per-step counts greedy steps: drop --temperature")
+    if args.tokens_per_step and args.methods_given and not set(args.methods) & set(SPECULATIVE_METHODS):
+        ap.error(f"--tokens-per-step: --methods names no speculative engine method; choose from "
+                 f"{', '.join(SPECULATIVE_METHODS)}")
     if not 0 < args.top_p <= 1:
         ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.draft_stop not in (None, "auto") and not 0 <= args.draft_stop < 1:
@@ -365,10 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     pair = resolve_pair(args)
     if args.prompt_set:
         args.prompts = PROMPT_SETS / f"{args.prompt_set}.jsonl"
-    if any(m in DRAFTED for m in args.methods) and not args.draft:
-        raise SystemExit("exspec-bench: speculative methods need --draft")
-    if any(m.endswith("_eagle3") for m in args.methods) and not args.eagle3:
-        raise SystemExit("exspec-bench: the *_eagle3 methods need --eagle3 (an EAGLE-3 head's folder)")
+    if args.tokens_per_step == "only" and not args.methods_given:
+        from .tokens_per_step import default_methods
+        args.methods = default_methods(args)
+    missing = missing_models(args.methods, args)
+    if missing:
+        raise SystemExit(f"exspec-bench: {missing}")
 
     hf = HFModels(args)
     # one loaded pair for every engine of the run: compiled once, its graphs shared
@@ -376,8 +394,18 @@ def main(argv: list[str] | None = None) -> int:
                                              tokenizer=args.tokenizer, device=args.device,
                                              dtype=args.dtype,
                                              method="exspec" if args.draft else "autoregressive"))
-    if args.eagle3 and any(m.endswith("_eagle3") for m in args.methods):
+    if args.eagle3 and any(model_of(m) == "head" for m in args.methods):
         args.model_pair.head = load_head(args.eagle3, args.model_pair.target, DTYPES[args.dtype], args.device)
+    from .report import write_outputs
+    from .tokens_per_step import measure
+    if args.tokens_per_step == "only":   # the table alone: no reference, no timing
+        results = {"schema": 1, "command": command, "machine": machine_info(args, None),
+                   "config": run_config(args, pair), "cells": [],
+                   "tokens_per_step": measure(args, hf, progress)}
+        results["config"]["wall_s"] = round(time.perf_counter() - began, 1)
+        for path in write_outputs(results, [], args.out):
+            print(path)
+        return 0
     prompts = usable_prompts(args, hf)
     args.history, prompts = prompts[:args.warm_prompts], prompts[args.warm_prompts:]
     if not prompts:
@@ -397,28 +425,37 @@ def main(argv: list[str] | None = None) -> int:
     paths = path_costs(args, prompts, warm_ups)
     cells, divergences = equivalence_cells(runs, reference, costs, progress)
 
-    config = {"pair": pair, "target": args.target, "draft": args.draft, "eagle3": args.eagle3,
-              "tokenizer": args.tokenizer,
-              "prompts": str(args.prompts) if args.prompts else None, "num_prompts": len(prompts),
-              "warm_prompts": len(args.history),
-              "max_tokens": args.max_tokens, "k": args.k, "fixed_k": args.fixed_k,
-              "batch_sizes": args.batch_sizes,
-              "methods": args.methods, "paths": args.paths, "compile_backend": args.compile_backend,
-              "repeats": args.repeats, "interleave": args.interleave, "device": args.device,
-              "dtype": args.dtype, "threads": args.threads, "greedy": not sampled,
-              "temperature": args.temperature, "top_p": args.top_p,
-              "seed": args.seed if sampled else None,
-              "sampling_couplings": couplings if sampled else None, "draft_stop": args.draft_stop,
-              "ideal_cache_len": typical, "wall_s": round(time.perf_counter() - began, 1),
-              "runs_wall_s": round(bench_seconds, 1)}
+    config = run_config(args, pair)
+    config.update({"prompts": str(args.prompts) if args.prompts else None, "num_prompts": len(prompts),
+                   "warm_prompts": len(args.history), "fixed_k": args.fixed_k,
+                   "batch_sizes": args.batch_sizes, "paths": args.paths,
+                   "compile_backend": args.compile_backend, "repeats": args.repeats,
+                   "interleave": args.interleave, "greedy": not sampled,
+                   "temperature": args.temperature, "top_p": args.top_p,
+                   "seed": args.seed if sampled else None,
+                   "sampling_couplings": couplings if sampled else None,
+                   "draft_stop": args.draft_stop, "ideal_cache_len": typical,
+                   "runs_wall_s": round(bench_seconds, 1)})
     results = {"schema": 1, "command": command, "machine": machine_info(args, costs),
                "config": config, "cells": cells}
     if paths is not None:
         results["paths"] = paths
-    from .report import write_outputs
+    if args.tokens_per_step == "also":
+        results["tokens_per_step"] = measure(args, hf, progress)
+    config["wall_s"] = round(time.perf_counter() - began, 1)
     for path in write_outputs(results, divergences, args.out):
         print(path)
     return 0
+
+
+def run_config(args, pair: str) -> dict:
+    """results.json's config: what every run records (a timed run adds its own)."""
+    return {"pair": pair, "target": args.target, "draft": args.draft, "eagle3": args.eagle3,
+            "tokenizer": args.tokenizer, "prompts": None,   # --tokens-per-step: each category's own
+            "num_prompts": args.num_prompts, "warm_prompts": args.warm_prompts,
+            "max_tokens": args.max_tokens, "k": args.k, "methods": args.methods,
+            "device": args.device, "dtype": args.dtype, "threads": args.threads, "greedy": True,
+            "tokens_per_step": args.tokens_per_step, "wall_s": None}
 
 
 def set_up(args):

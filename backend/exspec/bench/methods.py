@@ -14,19 +14,54 @@ import torch
 
 from .. import EngineConfig, LLMEngine, SamplingParams
 from ..models.loading import DTYPES, _eos_ids, _max_positions
+from ..speculative import METHODS as PROPOSERS
 
 # method -> (EngineConfig.method, EngineConfig.proposer): the *_ngram methods propose by prompt
 # lookup (ngram.py), the *_suffix ones by suffix decoding (suffix.py), neither loads a draft;
-# the *_eagle3 ones draft with an EAGLE-3 head (--eagle3)
+# the *_eagle3 ones draft with an EAGLE-3 head (--eagle3); the *_eagle3_suffix and
+# *_draft_model_suffix ones choose per row and step between suffix decoding and the head or the
+# draft (hybrid.py). What each loads: `model_of`
 ENGINE_METHODS = {"autoregressive": ("autoregressive", "draft_model"),
                   "eqspec": ("eqspec", "draft_model"), "exspec": ("exspec", "draft_model"),
                   "eqspec_eagle3": ("eqspec", "eagle3"), "exspec_eagle3": ("exspec", "eagle3"),
                   "eqspec_ngram": ("eqspec", "ngram"), "exspec_ngram": ("exspec", "ngram"),
-                  "eqspec_suffix": ("eqspec", "suffix"), "exspec_suffix": ("exspec", "suffix")}
+                  "eqspec_suffix": ("eqspec", "suffix"), "exspec_suffix": ("exspec", "suffix"),
+                  "eqspec_eagle3_suffix": ("eqspec", "eagle3_suffix"),
+                  "exspec_eagle3_suffix": ("exspec", "eagle3_suffix"),
+                  "eqspec_draft_model_suffix": ("eqspec", "draft_model_suffix"),
+                  "exspec_draft_model_suffix": ("exspec", "draft_model_suffix")}
 # the speculative ones, in the order the report lists them
 SPECULATIVE_METHODS = tuple(m for m in ENGINE_METHODS if m != "autoregressive")
 HF_METHODS = ("hf_generate", "hf_assisted")
 METHODS = tuple(ENGINE_METHODS) + HF_METHODS
+# what a method's model is given by: its flag, and what it names
+MODEL_FLAGS = {"draft": ("--draft", "a draft model"), "head": ("--eagle3", "an EAGLE-3 head's folder")}
+
+
+def model_of(method: str) -> str | None:
+    """What a method loads beside the target, as its proposer declares it (speculative.METHODS):
+    "head" (an EAGLE-3 head on the target: --eagle3), "draft" (a draft LLM: --draft) or None
+    (autoregressive, hf_generate, the lookup proposers)."""
+    if method == "hf_assisted":
+        return "draft"
+    layout, proposer = ENGINE_METHODS.get(method, ("autoregressive", None))
+    if layout == "autoregressive":
+        return None
+    declared = PROPOSERS.declared(proposer)
+    if declared.model is None:
+        return None
+    return "head" if declared.head else "draft"
+
+
+def missing_models(methods: list[str], args) -> str | None:
+    """One line naming the methods whose model was not given and the flag that gives it (None:
+    every one was)."""
+    for kind, (flag, what) in MODEL_FLAGS.items():
+        lacking = [m for m in methods if model_of(m) == kind]
+        if lacking and not getattr(args, flag[2:]):
+            return (f"{', '.join(lacking)} {'needs' if len(lacking) == 1 else 'need'} {flag} "
+                    f"({what})")
+    return None
 
 
 @dataclass
@@ -128,9 +163,8 @@ class EngineMethod(Method):
         self.device = args.device
         method, proposer = ENGINE_METHODS[key.method]
         # a fixed k = 0 runs the method's layout without speculation: no draft to load
-        drafted = (method != "autoregressive" and proposer == "draft_model"
-                   and (key.adaptive_k or key.k > 0))
-        head = proposer == "eagle3" and (key.adaptive_k or key.k > 0)
+        loads = model_of(key.method) if key.adaptive_k or key.k > 0 else None
+        drafted, head = loads == "draft", loads == "head"
         self.engine = LLMEngine(EngineConfig(
             target_model=args.target,
             draft_model=args.draft if drafted else args.eagle3 if head else None,

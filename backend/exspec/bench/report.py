@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 from .methods import SPECULATIVE_METHODS
+from .tokens_per_step import section as tokens_per_step_section
 
 SPEC_METHODS = (*SPECULATIVE_METHODS, "hf_assisted")
 
@@ -17,6 +18,8 @@ def write_outputs(results: dict, divergences: list[dict], out: Path) -> list[Pat
     paths = [out / "results.json", out / "results.md", out / "throughput.png"]
     paths[0].write_text(json.dumps(results, indent=2) + "\n")
     paths[1].write_text(markdown(results, divergences))
+    if not results["cells"]:   # --tokens-per-step alone: nothing timed to plot
+        return paths[:2]
     try:
         plot(results["cells"], paths[2])
     except ImportError:
@@ -235,6 +238,13 @@ def markdown(results: dict, divergences: list[dict]) -> str:
         f"Machine: {machine['cpu']} ({machine['cpu_count']} cores, {machine['torch_threads']} torch "
         f"threads), device {machine['device_name']}; Python {machine['python']}, torch "
         f"{machine['torch']}, transformers {machine['transformers']}; {machine['platform']}.", "",
+    ]
+    if not results["cells"]:   # --tokens-per-step alone
+        lines += [f"Pair: {cfg['pair']} (target `{cfg['target']}`, draft `{cfg['draft']}`, EAGLE-3 "
+                  f"head `{cfg['eagle3']}`), {cfg['dtype']} on {cfg['device']}; took {cfg['wall_s']} s.",
+                  "", *tokens_per_step_section(results.get("tokens_per_step"))]
+        return "\n".join(lines) + "\n"
+    lines += [
         f"Pair: {cfg['pair']} (target `{cfg['target']}`, draft `{cfg['draft']}`); "
         f"{cfg['num_prompts']} prompts{history(cfg)} from `{cfg['prompts']}`, max_tokens {cfg['max_tokens']}, "
         f"{sampling(cfg)}, k = {cfg['k']}, {cfg['dtype']} on {cfg['device']}; median of {cfg['repeats']} "
@@ -251,6 +261,7 @@ def markdown(results: dict, divergences: list[dict]) -> str:
     lines += findings(results["cells"])
     lines += [""] + adaptive_against_fixed(results["cells"])
     lines += [""] + drafts_section(results["cells"])
+    lines += tokens_per_step_section(results.get("tokens_per_step"))
     lines += ["", "## Divergences from the reference", ""]
     if "rejection" in (cfg.get("sampling_couplings") or []):
         lines += ["Rejection-sampling cells are left out: they keep the distribution, not the "

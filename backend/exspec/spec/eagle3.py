@@ -115,7 +115,7 @@ class HeadState(KVState):
 class Eagle3Proposer(DraftModelProposer):
     speculative_method = SpeculativeMethod(
         "eagle3", usage="an EAGLE-3 head (method 'eagle3' and 'model': the head's folder)",
-        model="the EAGLE-3 head's folder")
+        model="the EAGLE-3 head's folder", head=True)
 
     def __init__(self, head, target):
         super().__init__(head)   # self.model: the head

@@ -231,7 +231,7 @@ class Eagle3SuffixProposer(HybridProposer):
         "eagle3_suffix",
         usage="by suffix decoding with an EAGLE-3 head (method 'eagle3_suffix' and 'model': the "
               "head's folder)",
-        model="the EAGLE-3 head's folder", keys=SUFFIX_KEYS)
+        model="the EAGLE-3 head's folder", keys=SUFFIX_KEYS, head=True)
     model_class = Eagle3Proposer
 
 
