@@ -68,20 +68,23 @@ serve-toy: venv
 bench: venv
 	$(BIN)/exspec-bench --out bench_out
 
-# On a CUDA machine (<= 8 minutes): every test marked gpu (engine equivalence on cuda, the
-# compiled path in bf16 under each SDPA backend and under sync debug mode, its CUDA graphs
-# captured in the warm-up with none skipped, capture and replay under sync debug mode "error",
-# KIND_GPU placement and parity through tritonserver), then a short GPU benchmark of both decode paths (per-step
-# latency eager vs compiled). Without a CUDA device it fails: a GPU check that ran nothing has
-# not passed.
+# On a CUDA machine, one command of at most 5 minutes (exspec.bench.gpu_check, killed by `timeout`
+# at 300 s; it plans its phases within 285): bench_out/gpu-check/report.json and report.md,
+# written again after every phase, so a run cut off keeps what it measured. First every test
+# marked gpu within a time budget (engine equivalence on cuda, the compiled path in bf16 under each
+# SDPA backend and under sync debug mode, its CUDA graphs captured in the warm-up with none
+# skipped, capture and replay under sync debug mode "error", KIND_GPU placement and parity
+# through tritonserver; log in gpu_tests.log); then, in one warmed process, a Qwen3-8B-shaped pair
+# in bf16 from random weights (the draft: the target's first 4 layers, its later layers scaled
+# until the draft agrees at 75%): READY time of target-only and exspec on the compiled path, HF
+# generate, target-only and exspec interleaved at batch 1 and 8 (tokens/s, speed-up, greedy outputs
+# equal but for near ties), then the top kernels of a few steps, the syncs per step and the graphs
+# compiled or captured after READY (must be 0). Without a CUDA device it fails: a GPU check that
+# ran nothing has not passed. `make test` runs the same script on tiny shapes on the CPU.
 gpu-check: venv
 	@$(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())" || { \
 		echo "gpu-check: FAILED: no CUDA device found"; exit 1; }
-	$(BIN)/python -c "import torch; print('gpu-check on', torch.cuda.get_device_name(0))"
-	timeout 360 $(BIN)/python -m pytest -q -p no:cacheprovider -m gpu -rs tests
-	timeout 120 $(BIN)/python -m exspec.bench --device cuda --dtype bfloat16 --batch-sizes 1,8 \
-		--pair deep-narrow --paths eager,compiled --methods autoregressive,exspec \
-		--num-prompts 8 --max-tokens 32 --repeats 1 --no-progress --out bench_out/gpu-check
+	timeout -k 10 300 $(BIN)/python -m exspec.bench.gpu_check --out bench_out/gpu-check
 
 # The Helm chart, KServe objects, alerting rules, drain and load balancing, without a cluster:
 # render + lint + schemas (Kubernetes 1.29 and 1.37), promtool, a simulated pod and two
