@@ -297,3 +297,32 @@ def test_the_target_alone_compiles_nothing_after_warm_up_at_one_row(pairs, refer
     assert compiled.dynamo_counts() == before, f"after warm-up: {before} -> {compiled.dynamo_counts()}"
     assert not [r.getMessage() for r in caplog.records if NEW_SHAPE in r.getMessage()]
     assert out.token_ids == reference(pairs["llama", "target"], prompt, 8)
+
+
+def test_the_lm_head_is_packed_on_the_compiled_path_only(pairs):
+    """On a CPU the compiled path runs the lm_head through weights oneDNN packed for small
+    batches (packed_head.py): logits within float32 rounding of the plain head's at every row
+    count, and the plain head (bit for bit) whenever the compiled forward is not running."""
+    from exspec.models.packed_head import PackedHead
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2,
+                         num_speculative_tokens=3, enforce_eager=False)
+    forward = engine.runner.decode_forwards[engine.target]
+    assert forward.packed_head and "lm_head packed" in forward.describe(), forward.describe()
+    head = engine.target.get_output_embeddings()
+    packed = vars(head)["forward"]
+    assert isinstance(packed, PackedHead)
+    calls = packed.calls
+    engine.generate([[5, 9, 17, 33, 2]], SamplingParams(max_tokens=6))
+    assert packed.calls > calls, "the compiled steps did not go through the packed head"
+    with torch.inference_mode():
+        for rows in (1, 2, 5, 9):
+            hidden = torch.randn(1, rows, head.in_features)
+            plain = torch.nn.functional.linear(hidden, head.weight)
+            assert torch.equal(head(hidden), plain)   # not active: Hugging Face's own forward
+            forward.active = True
+            try:
+                got = head(hidden)
+            finally:
+                forward.active = False
+            assert got.shape == plain.shape
+            assert torch.allclose(got, plain, rtol=1e-5, atol=1e-5), (rows, (got - plain).abs().max())

@@ -67,6 +67,7 @@ from transformers.cache_utils import Cache
 from ..config import log
 from ..kv.padded import LayerCache
 from ..params import SamplingParams
+from .packed_head import pack_head
 
 # "inductor" generates C++ (CPU) or Triton (GPU) kernels. Dynamo's guards, hence recompiles and
 # graph breaks, mostly do not depend on the backend, so most tests use "eager" (no C++); inductor's
@@ -107,6 +108,9 @@ class CompiledForward:
         self.regional = layers is not None and not hooked
         self.why_whole = ("its layers' forwards are wrapped by a hook" if hooked
                           else "no repeated decoder layers found")
+        # the lm_head runs eagerly between the regions: on a CPU it gets weights packed for
+        # small batches, so a k + 1 verification's head costs about one token's (packed_head.py)
+        self.packed_head = self.regional and not cuda_graphs and pack_head(model, lambda: self.active)
         if self.regional:
             self.layers = list(layers)
             self.layer_class = type(layers[0]).__name__
@@ -131,7 +135,9 @@ class CompiledForward:
         grouping = (f"{per} layers per region" if per > 1 else
                     "one layer per region" + (f" ({self.why_one_per_region})" if self.why_one_per_region else ""))
         wrappers = ", C++ wrappers" if self.cpp_wrapper else ""
-        return f"{name}: regional, one graph for its {self.layer_class} layers, {grouping}{wrappers}{graphs}"
+        head = ", lm_head packed for small batches (oneDNN)" if self.packed_head else ""
+        return (f"{name}: regional, one graph for its {self.layer_class} layers, {grouping}"
+                f"{wrappers}{head}{graphs}")
 
     def __call__(self, **inputs):
         if not self.warm:

@@ -1,0 +1,87 @@
+"""What a verification costs against one token on this machine: the real pair's target
+(SmolLM2-135M-Instruct, `make real-pair`) at batch 1 over a 96-token context, forwards of 1, 2, 3
+and 5 tokens through the engine's own runner, on the eager path, the compiled path, and the
+compiled path with the plain lm_head (`--no-packed-head` leaves that cell out). Every cell is an
+engine of its own on one store layout (EXSPEC's block store, n-gram proposer: no draft to load);
+the widths and cells are timed in turn, round after round, and each figure is a median.
+
+    python scripts/verification_cost.py                 # 1 torch thread, 15 rounds
+    python scripts/verification_cost.py --threads 2 --rounds 30
+
+Prints the processor (lscpu's name), then per cell the milliseconds per width and each width's
+ratio to one token. A compiled cell warms up first (a cold compile cache: a minute or two).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+CONTEXT = 96
+WIDTHS = (1, 2, 3, 5)
+
+
+def build(path: str, compiled_path: bool, packed: bool):
+    import torch
+    from exspec import EngineConfig, LLMEngine, SamplingParams
+    from exspec.models import packed_head
+    if not packed:   # this cell's head stays plain: nothing to pack
+        real, packed_head.packable = packed_head.packable, lambda model: False
+    try:
+        engine = LLMEngine(EngineConfig(target_model=path, method="exspec", proposer="ngram",
+                                        num_speculative_tokens=max(WIDTHS) - 1, max_batch_size=1,
+                                        adaptive_k=False, enforce_eager=not compiled_path))
+    finally:
+        if not packed:
+            packed_head.packable = real
+    runner = engine.runner
+    seq = engine._sequence("cost", [(5 * j) % 97 + 1 for j in range(CONTEXT)],
+                           SamplingParams(max_tokens=8, ignore_eos=True))
+    group = runner.new_group([seq])
+    runner.prefill(group, [CONTEXT])
+    kv = group.target_kv
+
+    def forward(width: int) -> float:
+        ids = torch.ones((1, width), dtype=torch.long)
+        pos = (CONTEXT + torch.arange(width))[None]
+        start = time.perf_counter()
+        runner.forward(engine.target, kv, ids, pos, torch.ones_like(ids, dtype=torch.bool), [width], keep=width)
+        seconds = time.perf_counter() - start
+        kv.drop_tail([width])
+        return seconds
+    return forward
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-packed-head", action="store_true", help="leave out the compiled path "
+                    "with the plain head")
+    args = ap.parse_args()
+    import torch
+    from exspec.models.real_pair import PAIR_DIR
+    from exspec.utils.machine import processor_name
+    torch.set_num_threads(args.threads)
+    target = str(PAIR_DIR / "target")
+    cells = {"eager": build(target, False, False),
+             "compiled, packed head": build(target, True, True)}
+    if not args.no_packed_head:
+        cells["compiled, plain head"] = build(target, True, False)
+    seconds = {(cell, w): [] for cell in cells for w in WIDTHS}
+    with torch.inference_mode():
+        for round_ in range(args.rounds + 1):   # the first round untimed
+            for width in WIDTHS:
+                for cell, forward in cells.items():
+                    took = forward(width)
+                    if round_:
+                        seconds[cell, width].append(took)
+    print(f"{processor_name()}, {torch.get_num_threads()} torch thread(s), the real pair's target "
+          f"at batch 1 over {CONTEXT} cached tokens, medians of {args.rounds} rounds:")
+    for cell in cells:
+        ms = {w: 1e3 * statistics.median(seconds[cell, w]) for w in WIDTHS}
+        print(f"  {cell:22s} " + "  ".join(f"{w} tok {ms[w]:.1f} ms ({ms[w] / ms[1]:.2f}x)" for w in WIDTHS))
+
+
+if __name__ == "__main__":
+    main()
