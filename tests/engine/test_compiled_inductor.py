@@ -78,3 +78,20 @@ def test_a_restart_reuses_the_compile_cache_and_the_warm_up_says_so(pairs, tmp_p
     (cold, warm) = summaries
     assert cold["built"] > 0 and cold["reused"] == 0, summaries
     assert warm["built"] == 0 and warm["reused"] == cold["built"], summaries
+
+
+def test_the_compile_cache_lives_in_exspecs_cache_folder_unless_one_is_given(tmp_path, monkeypatch):
+    """Inductor's default cache folder is under /tmp (lost with a container); exspec's is
+    $XDG_CACHE_HOME/exspec/torch_compile. Torch writes its default into TORCHINDUCTOR_CACHE_DIR
+    the first time it looks the folder up, so that value counts as unset; any other is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ours = str(tmp_path / "exspec" / "torch_compile")
+    for given in (None, default_cache_dir()):
+        if given is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", given)
+        assert compiled.compile_cache_dir() == ours
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert compiled.compile_cache_dir() == str(tmp_path / "mine")

@@ -91,6 +91,7 @@ class CompiledForward:
         # No duck shaping: equal sizes at the first compile (two query tokens and two KV heads,
         # say) would share one symbol, and the graph would hold only while they stay equal
         torch.fx.experimental._config.use_duck_shape = False
+        compile_cache_dir()
         self.model = model
         self.cuda_graphs = cuda_graphs
         self.active = False   # True while this object runs a forward: the layers dispatch on it
@@ -354,8 +355,12 @@ def compile_cache_dir() -> str:
     """Where inductor keeps what it built (FX graphs, kernels, AOT autograd's graphs), so that a
     restart reuses them: $TORCHINDUCTOR_CACHE_DIR when set, else exspec's own cache folder
     ($XDG_CACHE_HOME or ~/.cache, then exspec/torch_compile) instead of torch's default under
-    /tmp, which a container or a reboot loses. Set before the first compile of the process."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    /tmp, which a container or a reboot loses. Set before the first compile of the process
+    (CompiledForward). Torch writes its default into the variable the first time it looks the
+    folder up (some imports do), so that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given is None or os.path.abspath(given) == os.path.abspath(default_cache_dir()):
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "exspec" / "torch_compile")
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
