@@ -39,7 +39,9 @@ test-engine: venv real-pair
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/engine
 
 # The real pair (SmolLM2-135M-Instruct and the EAGLE-3 head trained for it; chat questions through
-# its own template): in the engine, it names the processor and what checking 2-5 tokens costs
+# its own template): in the engine, on the compiled decode path (torch.compile with inductor,
+# warmed up first: a minute or two the first time, its compile cache reused after; where compiling
+# fails it says so and runs eagerly), it names the processor and what checking 2-5 tokens costs
 # there against one, then two cases side by side with the target alone, each exact, the speed-up
 # the median of 3 interleaved repeats: the EAGLE-3 head on chat questions (pays where a short
 # check is cheap) and suffix decoding on two-turn repeated asks (~3 tokens a step: pays even where

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 CONTEXT = 96
 WIDTHS = (1, 2, 3, 5)
 
 
 def build(path: str, compiled_path: bool, packed: bool):
-    import torch
-    from exspec import EngineConfig, LLMEngine, SamplingParams
+    """One cell's engine, warm, and its target forward (width -> seconds; demo/check_cost.py)."""
+    from exspec import EngineConfig, LLMEngine
+    from exspec.demo.check_cost import engine_forward
     from exspec.models import packed_head
     if not packed:   # this cell's head stays plain: nothing to pack
         real, packed_head.packable = packed_head.packable, lambda model: False
@@ -34,22 +34,7 @@ def build(path: str, compiled_path: bool, packed: bool):
     finally:
         if not packed:
             packed_head.packable = real
-    runner = engine.runner
-    seq = engine._sequence("cost", [(5 * j) % 97 + 1 for j in range(CONTEXT)],
-                           SamplingParams(max_tokens=8, ignore_eos=True))
-    group = runner.new_group([seq])
-    runner.prefill(group, [CONTEXT])
-    kv = group.target_kv
-
-    def forward(width: int) -> float:
-        ids = torch.ones((1, width), dtype=torch.long)
-        pos = (CONTEXT + torch.arange(width))[None]
-        start = time.perf_counter()
-        runner.forward(engine.target, kv, ids, pos, torch.ones_like(ids, dtype=torch.bool), [width], keep=width)
-        seconds = time.perf_counter() - start
-        kv.drop_tail([width])
-        return seconds
-    return forward
+    return engine_forward(engine, CONTEXT)
 
 
 def main() -> None:

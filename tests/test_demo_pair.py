@@ -129,6 +129,9 @@ def test_the_engine_demo_runs_both_cases_side_by_side_and_exact_on_the_demo_pair
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"on {processor_name()}, 1 torch thread(s)" in out, out   # the figures name their machine
+    # make demo runs the compiled path (inductor), warmed up before anything is timed
+    assert "the compiled decode path (--path)" in out, out
+    _line(out, r"exspec: compiled decode path ready: compiled \d+ graphs in \d+\.\d s; inductor: ")
     check = _line(out, r"here checking 2/3 tokens costs (\d+\.\d\d)/(\d+\.\d\d)x one token")
     assert all(float(r) > 0 for r in check.groups()), check.group(0)
     _line(out, r"case 1, exspec, the draft model, k <= 2 on 2 code prompts: .*speed-up \d+\.\d\dx "
@@ -139,6 +142,25 @@ def test_the_engine_demo_runs_both_cases_side_by_side_and_exact_on_the_demo_pair
                r"2/2 outputs identical to target-only greedy")
     _line(out, r"why they differ: .*; the draft model committed \d+\.\d\d tokens a step, suffix "
                r"decoding \d+\.\d\d; every output exact")
+
+
+def test_the_engine_demo_falls_back_to_the_eager_path_where_compiling_fails(capsys, monkeypatch):
+    """A machine whose compiler fails (no C++ compiler for inductor, say): the demo says so in
+    one line and runs both cases on the eager path, still exact."""
+    from exspec.demo import engine as demo_engine
+    from exspec.models import compiled
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("InductorError: CppCompileError: no C++ compiler")
+    monkeypatch.setattr(compiled, "warm_up", broken)
+    rc = demo_engine.main(["--num-prompts", "1", "--max-tokens", "6", "-k", "2", "--batch-size", "1",
+                           "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    _line(out, r"the compiled path failed here \(RuntimeError: InductorError: CppCompileError: no C\+\+ "
+               r"compiler\); running on the eager path instead \(--path eager\)")
+    assert "the eager decode path (--path)" in out, out
+    _line(out, r"case 1, .*1/1 outputs identical to target-only greedy")
 
 
 @pytest.mark.parametrize("seconds,regime", [

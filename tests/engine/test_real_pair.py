@@ -131,13 +131,18 @@ def test_the_trained_eagle3_head_is_installed_exact_and_its_drafts_are_kept(real
     assert first["kept"] > 0.25 * first["verified"], first
 
 
-def test_the_demo_on_the_real_pair_is_exact_in_both_cases_and_suffix_decoding_keeps_the_repeat(capsys):
+def test_the_demo_on_the_real_pair_is_exact_in_both_cases_and_suffix_decoding_keeps_the_repeat(
+        capsys, monkeypatch):
     """`make demo`'s first command on the real pair, one prompt a case: the EAGLE-3 head on a
     chat question and suffix decoding on a two-turn chat asking for its first answer again with
     a change (the JSON of a book, "pages" changed), each equal to target-only greedy, and the
-    repeat's proposals mostly kept (acceptance ~0.9 there; a proposer that looked nowhere: 0)."""
+    repeat's proposals mostly kept (acceptance ~0.9 there; a proposer that looked nowhere: 0).
+    On make demo's compiled path, with Dynamo's "eager" backend (inductor's cold compile of the
+    real pair would take minutes here; tests/test_demo_pair.py runs the demo with inductor)."""
     import re
     from exspec.demo import engine as demo_engine
+    from exspec.models import compiled
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
     rc = demo_engine.main(["--real", "--num-prompts", "1", "--max-tokens", "24", "-k", "4",
                            "--batch-size", "1", "--repeats", "1"])
     out = capsys.readouterr().out

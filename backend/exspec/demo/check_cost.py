@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..params import SamplingParams
+
 # where even the cheapest check costs more than this many tokens, proposals that keep a token
 # or two a step (a head on open questions) do not pay: adaptive k decodes mostly plainly
 DEAR = 1.4
@@ -51,27 +53,40 @@ class CheckCost:
                 f"check costs; {then}")
 
 
-@torch.inference_mode()
-def measure(target, max_width: int, cache_len: int = 96, samples: int = 7, warmup: int = 2,
-            seed: int = 0) -> CheckCost:
-    """The target's forward at 1 .. max_width tokens over a cache of `cache_len` (a chat
-    prompt's length), batch 1, the widths taken in turn (the host's speed swings within
-    seconds), each forward's new entries cropped off again; the first `warmup` rounds untimed."""
-    from transformers import DynamicCache
+def engine_forward(engine, cache_len: int = 96, seed: int = 0):
+    """A function width -> seconds: one forward of the engine's target at batch 1 through its own
+    runner (so on the path the engine serves: eager or compiled, its KV layout), over a context
+    of `cache_len` tokens (a chat prompt's length), each forward's new entries dropped again."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = target.get_output_embeddings().weight.shape[0]
-    device = target.get_input_embeddings().weight.device
-    cache = DynamicCache(config=target.config)
-    context = torch.randint(vocab, (1, cache_len), generator=gen).to(device)
-    target(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
+    vocab = engine.target.get_output_embeddings().weight.shape[0]
+    runner = engine.runner
+    context = torch.randint(1, vocab, (cache_len,), generator=gen).tolist()
+    group = runner.new_group([engine._sequence("check-cost", context, SamplingParams(max_tokens=1))])
+    runner.prefill(group, [cache_len])
+    kv, device = group.target_kv, runner.device
+
+    def forward(width: int) -> float:
+        ids = torch.randint(1, vocab, (1, width), generator=gen).to(device)
+        pos = torch.arange(cache_len, cache_len + width, device=device)[None]
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        start = time.perf_counter()
+        runner.forward(engine.target, kv, ids, pos, valid, [width], keep=width)
+        seconds = time.perf_counter() - start
+        kv.drop_tail([width])
+        return seconds
+    return forward
+
+
+@torch.inference_mode()
+def measure(engine, max_width: int, samples: int = 7, warmup: int = 2) -> CheckCost:
+    """The engine's target forward at 1 .. max_width tokens (`engine_forward`), the widths
+    taken in turn (the host's speed swings within seconds), medians; the first `warmup` rounds
+    untimed. The engine must serve max_width (k + 1) tokens a forward: a speculative one, warm."""
+    forward = engine_forward(engine)
     times: dict[int, list[float]] = {w: [] for w in range(1, max_width + 1)}
     for i in range(warmup + samples):
         for w in times:
-            ids = torch.randint(vocab, (1, w), generator=gen).to(device)
-            pos = torch.arange(cache_len, cache_len + w, device=device)[None]
-            start = time.perf_counter()
-            target(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=w)
+            took = forward(w)
             if i >= warmup:
-                times[w].append(time.perf_counter() - start)
-            cache.crop(-w)   # back to cache_len entries
+                times[w].append(took)
     return CheckCost({w: statistics.median(t) for w, t in times.items()}, samples)

@@ -5,8 +5,12 @@ trained draft; exspec.models.real_pair) on chat questions through its own chat t
 the toy pair, a tiny code model for fast tests: the shipped demo pair
 (model_repository/exspec/1/demo) when present, else a small seeded pair built locally.
 
-It names the processor, then measures what verifying 2 .. k + 1 tokens costs here against one
-(check_cost.py): those ratios decide whether a given proposer pays. Then two cases, each against
+It runs on the compiled decode path (`--path compiled`, enforce_eager false: torch.compile with
+inductor, warmed up before anything is timed, its compile cache reused by the next run; a
+machine whose compiler fails falls back to the eager path and says why), or with `--path eager`
+on Hugging Face's own forward. It names the processor, then measures what verifying 2 .. k + 1
+tokens costs here against one on that path (check_cost.py): those ratios decide whether a given
+proposer pays. Then two cases, each against
 the target alone, the two engines timed tick by tick in turn (the benchmark's run_interleaved)
 over the same prompts, --repeats times, the speed-up the median of the repeats (case.py):
 1. the pair's own proposer (the EAGLE-3 head or the draft) on chat questions;
@@ -82,9 +86,20 @@ class _Engines:
     def __init__(self, pair: Path, args, proposer: str):
         self.pair, self.args = pair, args
         self.common = dict(target_model=str(pair / "target"), tokenizer=str(_tokenizer_dir(pair)),
-                           max_batch_size=args.batch_size)
+                           max_batch_size=args.batch_size, enforce_eager=args.path == "eager")
         self.models: ModelPair = load_pair(self._config(proposer))
-        self.target_only = self._warm(LLMEngine(
+        try:
+            self.target_only = self._target_only()
+        except Exception as exc:   # noqa: BLE001  (inductor: no C++ compiler, say)
+            if args.path == "eager":
+                raise
+            print(f"the compiled path failed here ({type(exc).__name__}: {str(exc)[:200]}); "
+                  "running on the eager path instead (--path eager)")
+            args.path, self.common["enforce_eager"] = "eager", True
+            self.target_only = self._target_only()
+
+    def _target_only(self) -> LLMEngine:
+        return self._warm(LLMEngine(
             EngineConfig(**self.common, method="autoregressive", num_speculative_tokens=0),
             pair=dataclasses.replace(self.models, draft=None, head=None)))
 
@@ -101,6 +116,8 @@ class _Engines:
 
     @staticmethod
     def _warm(engine: LLMEngine) -> LLMEngine:
+        if engine.warm_up is not None:   # the compiled path: what its warm-up built, and how fast
+            print(engine.warm_up.summary())
         engine.generate(["Hello"], SamplingParams(max_tokens=4))
         return engine
 
@@ -143,6 +160,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs of each case; its speed-up is their median")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--path", choices=("compiled", "eager"), default="compiled",
+                        help="the decode path: compiled (torch.compile, warmed up first; a "
+                             "minute or two the first time) or eager")
     args = parser.parse_args(argv)
     for flag in ("num_prompts", "max_tokens", "k", "batch_size", "repeats"):
         if getattr(args, flag) < 1:
@@ -156,16 +176,16 @@ def main(argv=None) -> int:
         proposer = demo_proposer(pair)
     print(f"{REAL_PAIR[proposer] if args.real else 'given pair' if args.pair else TOY_PAIR} ({pair})")
     engines = _Engines(pair, args, proposer)
-    print(f"on {processor_name()}, {torch.get_num_threads()} torch thread(s) (--threads); the "
-          "speed-up depends on the processor:")
-    cost = check_cost.measure(engines.models.target, args.k + 1)
+    speculative = engines.speculative(proposer)
+    print(f"on {processor_name()}, {torch.get_num_threads()} torch thread(s) (--threads), the "
+          f"{args.path} decode path (--path); the speed-up depends on the processor:")
+    cost = check_cost.measure(speculative, args.k + 1)
     print(cost.line())
     params = SamplingParams(max_tokens=args.max_tokens)
     label = lambda p: f"{args.method}, {PROPOSER_NAMES[p]}, k <= {args.k}"   # noqa: E731
 
     questions = prompts[:args.num_prompts]
-    own = run_case(engines.speculative(proposer), engines.target_only, questions, params,
-                   args.repeats)
+    own = run_case(speculative, engines.target_only, questions, params, args.repeats)
     _print_outputs(own, questions, label(proposer))
     chats, asks = _repeated_asks(engines.target_only, args.num_prompts, args.max_tokens)
     suffix = run_case(engines.speculative(SUFFIX), engines.target_only, chats, params,
