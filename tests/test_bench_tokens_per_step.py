@@ -51,7 +51,7 @@ def test_every_category_and_method_side_by_side_untimed(pair):
     assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.md"]
     results = json.loads((out / "results.json").read_text())
     assert results["cells"] == [] and results["config"]["tokens_per_step"] == "only"
-    table = results["tokens_per_step"]
+    [table] = results["tokens_per_step"]   # one table per batch size: batch 1 by default
     assert (table["batch_size"], table["k"], table["max_tokens"]) == (1, 3, 6)
     assert [c["proposer"] for c in table["columns"]] == list(PROPOSERS)
     assert {c["proposer"]: c["source"] for c in table["columns"]} == {
@@ -90,7 +90,7 @@ def test_figures_are_the_engines_counts_and_the_replay_equals_the_engine(pair):
                                 "--warm-prompts", "1", "--max-tokens", "16", "-k", "3",
                                 "--methods", "exspec_suffix,exspec_eagle3_suffix,eqspec_eagle3_suffix",
                                 "--no-progress", "--out", str(out)]) == 0
-    table = json.loads((out / "results.json").read_text())["tokens_per_step"]
+    [table] = json.loads((out / "results.json").read_text())["tokens_per_step"]
     assert [(c["proposer"], c["source"], c["methods"]) for c in table["columns"]] == [
         ("suffix", "replay", ["exspec_suffix"]),
         ("eagle3_suffix", "engine", ["exspec_eagle3_suffix", "eqspec_eagle3_suffix"])]
@@ -179,8 +179,55 @@ def test_also_puts_the_table_beside_a_timed_runs_cells(pair):
     assert {c["method"] for c in results["cells"]} == {"autoregressive", "exspec_suffix",
                                                        "exspec_eagle3_suffix"}
     assert all(c["exact_match_share"] == 1 for c in results["cells"])
-    table = results["tokens_per_step"]
+    [table] = results["tokens_per_step"]
     assert [r["category"] for r in table["rows"]] == ["repeated", "all"]
     assert [c["proposer"] for c in table["columns"]] == ["suffix", "eagle3_suffix"]
     md = (out / "results.md").read_text()
     assert "| method | B | tokens/s" in md and "## Tokens per target step by prompt category" in md
+
+
+def test_a_table_per_batch_size_counts_row_steps_of_an_engine_serving_waves(pair):
+    """--batch-sizes 1,2: a second table at batch 2 where every column, the lookup proposers'
+    too, is an engine serving each category's prompts two at a time; its figures equal those of
+    an engine built here serving the same waves (tokens over row-steps: a step of 2 rows counts
+    2), exact like batch 1's, and results.md shows both tables."""
+    root, paths = pair
+    texts = ["def add(a, b):\n", "import os\n", "def add(a, b):\n", "class Engine:\n"]
+    prompts = root / "waves.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": "mix", "turns": [t]}) + "\n"
+                               for i, t in enumerate(texts)))
+    out = root / "waves"
+    assert main(flags(paths) + ["--tokens-per-step", "--prompts", str(prompts), "--num-prompts", "4",
+                                "--batch-sizes", "1,2", "--max-tokens", "12", "-k", "3",
+                                "--methods", "exspec_suffix,exspec_eagle3", "--no-progress",
+                                "--out", str(out)]) == 0
+    one, two = json.loads((out / "results.json").read_text())["tokens_per_step"]
+    assert (one["batch_size"], two["batch_size"]) == (1, 2)
+    assert [c["source"] for c in one["columns"]] == ["replay", "engine"]
+    assert [c["source"] for c in two["columns"]] == ["engine", "engine"]
+    mix = {r["category"]: r for r in two["rows"]}["mix"]
+    assert mix["outputs_agree"]
+
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(paths["--tokenizer"])
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    for proposer in ("suffix", "eagle3"):
+        engine = LLMEngine(EngineConfig(
+            target_model=paths["--target"], tokenizer=paths["--tokenizer"], method="exspec",
+            draft_model=paths["--eagle3"] if proposer == "eagle3" else None, proposer=proposer,
+            num_speculative_tokens=3, adaptive_k=False, max_batch_size=2, max_num_seqs=2))
+        before = engine.stats()
+        for wave in (ids[:2], ids[2:]):
+            engine.generate(wave, [SamplingParams(max_tokens=12) for _ in wave])
+        after = engine.stats()
+        shapes = {(s["rows"], s["k"]): s["steps"] for s in after["steps_by_shape"]}
+        for s in before["steps_by_shape"]:
+            shapes[s["rows"], s["k"]] -= s["steps"]
+        row_steps = sum(rows * n for (rows, _), n in shapes.items())
+        assert any(rows == 2 for (rows, _), n in shapes.items() if n), shapes   # waves of two
+        expected = (row_steps, *(after[k] - before[k] for k in
+                                 ("committed_tokens", "draft_tokens", "accepted_tokens")))
+        assert figures(mix["cells"][proposer]) == expected, proposer
+        del engine
+    md = (out / "results.md").read_text()
+    assert "by prompt category, batch 1" in md and "by prompt category, batch 2" in md

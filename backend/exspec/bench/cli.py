@@ -194,7 +194,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="comma list of fixed k's to run beside adaptive k (default: -k alone); "
                          "results.md then compares adaptive with the best of them. 0: the "
                          "method's own layout without speculation (what speculation adds)")
-    ap.add_argument("--batch-sizes", default="1,2,4,8,16")
+    ap.add_argument("--batch-sizes", default=None,
+                    help="comma list (default: 1,2,4,8,16; with --tokens-per-step only: 1)")
     ap.add_argument("--methods", default=None,
                     help=f"comma list of {', '.join(METHODS)} (default: all but the *_suffix "
                     "ones, whose global tree needs a workload that repeats across requests, and "
@@ -235,7 +236,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--tokens-per-step", nargs="?", const="only", choices=("only", "also"),
                     help="tokens per target step per prompt category, every speculative method "
-                         "side by side (bench/tokens_per_step.py): batch 1, fixed -k, greedy, no "
+                         "side by side (bench/tokens_per_step.py): batch 1 (--batch-sizes: a "
+                         "table per batch size), fixed -k, greedy, no "
                          "timing; rows the shipped prompt sets (--prompt-set: that one; --prompts: "
                          "the file's categories), --num-prompts of each. Alone (or 'only'): this "
                          "table only, in results.json and results.md (the real pair, 4 prompts "
@@ -249,7 +251,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.warm_prompts >= args.num_prompts:
         ap.error(f"--warm-prompts {args.warm_prompts} leaves none of --num-prompts "
                  f"{args.num_prompts} to time: raise --num-prompts above it")
-    args.batch_sizes = int_list(ap, "--batch-sizes", args.batch_sizes, "batch sizes", 1)
+    # --tokens-per-step: one table per batch size given (default batch 1 only)
+    args.tps_batch_sizes = int_list(ap, "--batch-sizes", args.batch_sizes or "1", "batch sizes", 1)
+    args.batch_sizes = int_list(ap, "--batch-sizes", args.batch_sizes or "1,2,4,8,16", "batch sizes", 1)
     args.methods_given = args.methods is not None
     args.methods = [m.strip() for m in (args.methods or DEFAULT_METHODS).split(",") if m.strip()]
     unknown = sorted(set(args.methods) - set(METHODS))
@@ -401,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens_per_step == "only":   # the table alone: no reference, no timing
         results = {"schema": 1, "command": command, "machine": machine_info(args, None),
                    "config": run_config(args, pair), "cells": [],
-                   "tokens_per_step": measure(args, hf, progress)}
+                   "tokens_per_step": [measure(args, hf, progress, b) for b in args.tps_batch_sizes]}
         results["config"]["wall_s"] = round(time.perf_counter() - began, 1)
         for path in write_outputs(results, [], args.out):
             print(path)
@@ -441,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     if paths is not None:
         results["paths"] = paths
     if args.tokens_per_step == "also":
-        results["tokens_per_step"] = measure(args, hf, progress)
+        results["tokens_per_step"] = [measure(args, hf, progress, b) for b in args.tps_batch_sizes]
     config["wall_s"] = round(time.perf_counter() - began, 1)
     for path in write_outputs(results, divergences, args.out):
         print(path)

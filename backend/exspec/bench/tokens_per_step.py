@@ -85,26 +85,28 @@ def categories(args, hf: HFModels) -> list[tuple[str, str, list[Prompt]]]:
 
 
 def engine_tally(method: EngineMethod, prompts: list[Prompt], max_tokens: int,
-                 warm: int) -> tuple[Tally, list[list[int]], dict | None]:
-    """The prompts served one after another by one engine, from a proposer that has forgotten
-    what it learnt; the steps of all but the first `warm`, their outputs, and (a hybrid) how many
+                 warm: int, batch: int = 1) -> tuple[Tally, list[list[int]], dict | None]:
+    """The prompts served `batch` at a time, wave after wave, by one engine, from a proposer that
+    has forgotten what it learnt (the first `warm` first, one by one, not counted); the row-steps
+    of the rest (a step of B rows is B row-steps), their outputs, and (a hybrid) how many
     row-steps each source served."""
     engine = method.engine
     engine.proposer.forget()
-    params = method.params(1, max_tokens)
+    waves = [[p] for p in prompts[:warm]] + [prompts[i:i + batch] for i in range(warm, len(prompts), batch)]
     outputs, before, chosen = [], None, None
-    for i, p in enumerate(prompts):
+    for i, wave in enumerate(waves):
         if i == warm:
             before = engine.stats()
             chosen = dict(getattr(engine.proposer, "chosen", None) or {}) or None
-        [out] = engine.generate([p.ids], params)
-        if out.finish_reason == "error":
-            raise RuntimeError(f"{method.key.method}: {out.error}")
-        outputs.append(list(out.token_ids))
+        for out in engine.generate([p.ids for p in wave], method.params(len(wave), max_tokens)):
+            if out.finish_reason == "error":
+                raise RuntimeError(f"{method.key.method}: {out.error}")
+            outputs.append(list(out.token_ids))
     delta = stats_delta(before, engine.stats())
     if chosen is not None:
         chosen = {source: engine.proposer.chosen[source] - n for source, n in chosen.items()}
-    return (Tally(delta["steps"], delta["committed_tokens"], delta["draft_tokens"],
+    row_steps = sum(rows * n for (rows, _), n in delta["steps_by_shape"].items())
+    return (Tally(row_steps, delta["committed_tokens"], delta["draft_tokens"],
                   delta["accepted_tokens"]), outputs[warm:], chosen)
 
 
@@ -115,10 +117,15 @@ def cell(tally: Tally, chosen: dict | None = None) -> dict:
     return out
 
 
-def measure(args, hf: HFModels, progress: bool) -> dict:
-    """results.json's "tokens_per_step": the columns, and per category (then "all") each
-    column's steps, tokens, drafts proposed and kept, tokens per step and kept share."""
+def measure(args, hf: HFModels, progress: bool, batch: int = 1) -> dict:
+    """One table of results.json's "tokens_per_step" (a list, one per batch size): the columns,
+    and per category (then "all") each column's row-steps, tokens, drafts proposed and kept,
+    tokens per step and kept share. At a batch size above 1 every column is the engine's (a
+    lookup proposer learns across the requests in flight as it serves them, which the replay
+    does not model)."""
     cols = columns(args.methods)
+    if batch > 1:
+        cols = [Column(c.proposer, c.method, c.methods, "engine") for c in cols]
     warm = args.warm_prompts
     cats = categories(args, hf)
     short = [name for name, _, prompts in cats if len(prompts) <= warm]
@@ -132,18 +139,19 @@ def measure(args, hf: HFModels, progress: bool) -> dict:
     if needs_traces:   # the target's greedy answers, which the lookup proposers replay
         for _, _, prompts in tqdm(cats, desc="traces (target greedy)", disable=not progress):
             traces.append([Trace(p.ids, hf.generate([p.ids], args.max_tokens)[0]) for p in prompts])
-    with tqdm(total=len(cols) * len(cats), desc="tokens per step", disable=not progress) as bar:
+    with tqdm(total=len(cols) * len(cats), desc=f"tokens per step, batch {batch}",
+              disable=not progress) as bar:
         for col in cols:
             method = None
             if col.source == "engine":
-                method = EngineMethod(CellKey(col.method, 1, args.k, False), args, 1)
+                method = EngineMethod(CellKey(col.method, batch, args.k, False), args, batch)
             spec = {"method": col.proposer, "num_speculative_tokens": args.k}
             for i, (row, (_, _, prompts)) in enumerate(zip(rows, cats)):
                 bar.set_postfix_str(f"{col.label}: {row['category']}")
                 if method is None:
                     tally, chosen = replay(spec, traces[i], warm).get("all", Tally()), None
                 else:
-                    tally, outputs, chosen = engine_tally(method, prompts, args.max_tokens, warm)
+                    tally, outputs, chosen = engine_tally(method, prompts, args.max_tokens, warm, batch)
                     reference = [t.output_ids for t in traces[i][warm:]] if traces else \
                         row.setdefault("outputs", outputs)
                     row["outputs_agree"] &= outputs == reference
@@ -160,19 +168,25 @@ def measure(args, hf: HFModels, progress: bool) -> dict:
         total["cells"][col.proposer] = cell(tally)
     for row in rows:
         row.pop("outputs", None)
-    return {"batch_size": 1, "k": args.k, "max_tokens": args.max_tokens, "warm_prompts": warm,
+    return {"batch_size": batch, "k": args.k, "max_tokens": args.max_tokens, "warm_prompts": warm,
             "greedy": True, "columns": [asdict(c) | {"label": c.label} for c in cols],
             "rows": rows + [total]}
 
 
-def section(table: dict | None) -> list[str]:
-    """results.md: categories down, methods across, the best of each row in bold."""
-    if not table:
-        return []
+def section(tables: list[dict] | None) -> list[str]:
+    """results.md: per batch size, categories down, methods across, the best of each row in bold."""
+    return [line for table in tables or [] for line in _section(table)]
+
+
+def _section(table: dict) -> list[str]:
     cols = table["columns"]
-    lines = ["## Tokens per target step by prompt category", "",
-             f"Batch 1, fixed k = {table['k']}, greedy, up to {table['max_tokens']} tokens a prompt, "
-             f"each category's prompts served one after another"
+    batch = table["batch_size"]
+    served = ("each category's prompts served one after another" if batch == 1 else
+              f"each category's prompts served {batch} at a time (tokens per step per row: "
+              f"committed tokens ÷ row-steps)")
+    lines = [f"## Tokens per target step by prompt category, batch {batch}", "",
+             f"Batch {batch}, fixed k = {table['k']}, greedy, up to {table['max_tokens']} tokens a prompt, "
+             f"{served}"
              + (f" after its first {table['warm_prompts']}, served uncounted" if table["warm_prompts"] else "")
              + ". Tokens per step = committed tokens ÷ target steps (the prefill's token is not a "
                "step): the speed-up's ceiling where a verification costs a plain step; in brackets "
