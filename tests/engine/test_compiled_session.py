@@ -43,7 +43,7 @@ def compile_counts() -> dict:
 
 
 def session(eos: int, vocab: int, seed: int, count: int):
-    """Random requests: (arrivals, aborts, params, prompts). Prompts of 2-150 tokens, half of
+    """Random requests: (arrivals, aborts, params, prompts). Prompts of 1-150 tokens, half of
     them starting with one of two shared 40-token prefixes; max_tokens up to 90, so contexts run
     from a block to past 128 columns (table widths 1 .. 16 blocks)."""
     rng = random.Random(seed)
@@ -52,7 +52,8 @@ def session(eos: int, vocab: int, seed: int, count: int):
     arrivals, aborts, params, prompts = {}, {}, {}, {}
     for i in range(count):
         rid = f"r{i}"
-        body = [token() for _ in range(rng.choice([2, 5, 17, 60, 110]))]
+        # one-token prompts too: a cache of one column is a size torch specialises
+        body = [token() for _ in range(rng.choice([1, 2, 5, 17, 60, 110]))]
         prompt = (rng.choice(prefixes) + body) if i % 2 else body
         prompts[rid] = prompt
         kind = i % 5
@@ -100,7 +101,7 @@ def test_a_random_session_compiles_nothing_after_warm_up(pairs, reference, metho
     assert 0 in {s["k"] for s in shapes} and max(s["k"] for s in shapes) >= 2, shapes
     if method == "exspec":
         assert stats["prefix_cache_hits"] > 0, stats
-    assert any(len(p) > 64 for p in prompts.values())
+    assert any(len(p) > 64 for p in prompts.values()) and any(len(p) == 1 for p in prompts.values())
     for rid, prompt in prompts.items():
         p = params[rid]
         if p.n > 1 or p.structured_outputs is not None or finished[rid].finish_reason == "abort":
@@ -125,3 +126,22 @@ def test_inputs_of_other_strides_compile_nothing_after_warm_up(pairs, monkeypatc
     assert len(rows) == 4
     assert compile_counts() == before, f"after warm-up: {before} -> {compile_counts()}"
     assert not [r.getMessage() for r in caplog.records if NEW_SHAPE in r.getMessage()]
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "eqspec"])
+def test_a_one_token_prompt_alone_compiles_nothing_after_warm_up(pairs, reference, method, monkeypatch,
+                                                                 caplog):
+    """The padded layout's cache holds one column after a one-token prompt, a size torch gives a
+    graph of its own (the warm-up's prompts are longer): seen in make demo as "1 rows, 1 tokens,
+    2 KV columns" compiled after READY, until the layout padded such a cache to two columns."""
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=2,
+                         num_speculative_tokens=0 if method == "autoregressive" else 3,
+                         enforce_eager=False)
+    before = compile_counts()
+    prompt = [7]
+    with caplog.at_level(logging.WARNING, logger="exspec"):
+        out = engine.generate([prompt], SamplingParams(max_tokens=8))[0]
+    assert compile_counts() == before, f"after warm-up: {before} -> {compile_counts()}"
+    assert not [r.getMessage() for r in caplog.records if NEW_SHAPE in r.getMessage()]
+    assert out.token_ids == reference(pairs["llama", "target"], prompt, 8)

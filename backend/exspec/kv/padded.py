@@ -233,7 +233,11 @@ class PaddedKV:
     def make_contiguous(self) -> int:
         """Copy view-shaped cache tensors (left by a uniform crop or a trim) into contiguous
         ones; returns bytes copied. Only the compiled path calls it: a compiled forward guards
-        on its inputs' strides and would recompile for every view."""
+        on its inputs' strides and would recompile for every view. A cache of one column (after
+        a one-token prompt) gets a masked column on its left: torch gives a size of 1 a graph
+        of its own, which the warm-up's longer prompts never meet."""
+        if self.width == 1:
+            self._pad_left(1)
         moved = 0
         for layer in _layers(self.cache):
             if not (layer.keys.is_contiguous() and layer.values.is_contiguous()):
@@ -319,6 +323,13 @@ class PaddedKV:
         minimal width anyway."""
         if self.aligned and self.width > max(self.lengths, default=0):
             self._keep_columns(slice(self.width - max(self.lengths, default=0), self.width))
+
+    def _pad_left(self, columns: int) -> None:
+        """`columns` invalid columns before every row's entries (rows stay right-aligned)."""
+        self.valid = torch.nn.functional.pad(self.valid, (columns, 0))
+        for layer in _layers(self.cache):
+            layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, columns, 0))
+            layer.values = torch.nn.functional.pad(layer.values, (0, 0, columns, 0))
 
     def _keep_columns(self, cols: slice) -> None:
         self.valid = self.valid[:, cols]
