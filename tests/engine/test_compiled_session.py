@@ -74,14 +74,20 @@ def session(eos: int, vocab: int, seed: int, count: int):
 
 # inductor (C++ kernels): its lowering may add guards of its own, so the served backend runs the
 # session too; a cold warm-up of the pair takes 1-3 minutes on 2 cores
-@pytest.mark.parametrize("method,backend", [("exspec", "eager"), ("eqspec", "eager"),
-                                            ("exspec", "inductor")])
-def test_a_random_session_compiles_nothing_after_warm_up(pairs, reference, method, backend,
+@pytest.mark.parametrize("method,backend,proposer", [
+    ("exspec", "eager", "draft_model"), ("eqspec", "eager", "draft_model"),
+    ("exspec", "inductor", "draft_model"),
+    # the hybrid: suffix decoding's proposals and the draft's through the same graphs
+    ("exspec", "eager", "draft_model_suffix")])
+def test_a_random_session_compiles_nothing_after_warm_up(pairs, reference, method, backend, proposer,
                                                          monkeypatch, caplog):
     monkeypatch.setattr(compiled, "COMPILE_BACKEND", backend)
+    if proposer == "draft_model_suffix":   # suffix decoding wherever it proposes: rows of both kinds
+        from exspec.spec.hybrid import HybridProposer
+        monkeypatch.setattr(HybridProposer, "head_expected", lambda self, row, cap: 0.0)
     engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=MAX_BATCH,
                          max_num_seqs=6, adaptive_k=True, num_speculative_tokens=4,
-                         max_num_batched_tokens=64, enforce_eager=False)
+                         max_num_batched_tokens=64, enforce_eager=False, proposer=proposer)
     assert engine.warm_up.graph_breaks == 0, engine.warm_up.describe()
     before = compile_counts()
     if backend == "inductor":
@@ -101,6 +107,8 @@ def test_a_random_session_compiles_nothing_after_warm_up(pairs, reference, metho
     assert 0 in {s["k"] for s in shapes} and max(s["k"] for s in shapes) >= 2, shapes
     if method == "exspec":
         assert stats["prefix_cache_hits"] > 0, stats
+    if proposer == "draft_model_suffix":
+        assert min(engine.proposer.chosen.values()) > 0, engine.proposer.chosen
     assert any(len(p) > 64 for p in prompts.values()) and any(len(p) == 1 for p in prompts.values())
     for rid, prompt in prompts.items():
         p = params[rid]
