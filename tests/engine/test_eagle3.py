@@ -134,6 +134,7 @@ def test_every_first_draft_is_the_offline_one_through_arrivals_plain_steps_and_r
                                     adaptive_k=True, max_batch_size=4, max_num_seqs=8,
                                     enforce_eager=not compiled_path))
     seen, propose = [], engine.proposer.propose
+    before = compiled.dynamo_counts()
 
     def recording(runner, state, seqs, plan, staged, sent, step):
         proposal = propose(runner, state, seqs, plan, staged, sent, step)
@@ -153,6 +154,10 @@ def test_every_first_draft_is_the_offline_one_through_arrivals_plain_steps_and_r
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
     stats = engine.stats()
     assert stats["plain_steps"] > 0 and stats["accepted_tokens"] > 0, stats
+    # nothing compiled after the warm-up: the head's features sliced from its buffer for one
+    # row keep that buffer's stride (a size-1 dimension's), which compiled a graph until the
+    # runner gave compiled inputs fresh strides
+    assert compiled.dynamo_counts() == before, f"after warm-up: {before} -> {compiled.dynamo_counts()}"
     head = load_head(head_dir, engine.target, torch.float32, "cpu")
     drafts = {f"r{i}": first_drafts(engine.target, head, p + outputs[f"r{i}"])
               for i, p in enumerate(prompts)}

@@ -163,8 +163,8 @@ class ModelRunner:
             self.stats.add("realign_bytes", kv.make_contiguous())
             # Dynamo guards strides too: an expanded or sliced input (positions broadcast over
             # rows, say) would compile a new graph after the warm-up
-            ids, pos, valid = ids.contiguous(), pos.contiguous(), valid.contiguous()
-            features = None if features is None else features.contiguous()
+            ids, pos, valid = _dense(ids), _dense(pos), _dense(valid)
+            features = None if features is None else _dense(features)
             if ids.shape[1] == 1 and kv.free_pads:
                 # fed as two tokens, a pad first (its entry goes to scratch): torch compiles a
                 # width of 1 apart, so this halves the graphs the warm-up compiles
@@ -496,3 +496,16 @@ class ModelRunner:
             s.add("draft_tokens", sum(verified))
             s.add("accepted_tokens", sum(accepted))
             s.add_depths(verified, accepted)
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with the strides of a new contiguous tensor of its shape. `contiguous()` is not
+    enough: it keeps any stride of a size-1 dimension (one row sliced from a wider buffer), and
+    Dynamo guards that stride as well."""
+    expected, step = [], 1
+    for size in reversed(tensor.shape):
+        expected.append(step)
+        step *= size
+    if tuple(reversed(expected)) == tensor.stride():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
