@@ -4,6 +4,7 @@ prompts through the model's own ChatML template: speculative output == target-on
 the end of turn `<|im_end|>` stops a request. `make test` converts the pair first.
 """
 import dataclasses
+import logging
 from functools import lru_cache
 
 import pytest
@@ -132,7 +133,7 @@ def test_the_trained_eagle3_head_is_installed_exact_and_its_drafts_are_kept(real
 
 
 def test_the_demo_on_the_real_pair_is_exact_in_both_cases_and_suffix_decoding_keeps_the_repeat(
-        capsys, monkeypatch):
+        capsys, monkeypatch, caplog):
     """`make demo`'s first command on the real pair, one prompt a case: the EAGLE-3 head on a
     chat question and suffix decoding on a two-turn chat asking for its first answer again with
     a change (the JSON of a book, "pages" changed), each equal to target-only greedy, and the
@@ -143,10 +144,15 @@ def test_the_demo_on_the_real_pair_is_exact_in_both_cases_and_suffix_decoding_ke
     from exspec.demo import engine as demo_engine
     from exspec.models import compiled
     monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
-    rc = demo_engine.main(["--real", "--num-prompts", "1", "--max-tokens", "24", "-k", "4",
-                           "--batch-size", "1", "--repeats", "1"])
+    with caplog.at_level(logging.WARNING, logger="exspec"):
+        rc = demo_engine.main(["--real", "--num-prompts", "1", "--max-tokens", "24", "-k", "4",
+                               "--batch-size", "1", "--repeats", "1"])
     out = capsys.readouterr().out
     assert rc == 0, out
+    # nothing compiled after a warm-up: make demo once logged two such shapes (a one-token
+    # prompt's one-column cache; a head feature row's stride)
+    late = [r.getMessage() for r in caplog.records if "met a shape after the warm-up" in r.getMessage()]
+    assert not late, late
     assert "here checking 2/3/4/5 tokens costs" in out, out
     assert re.search(r"case 1, exspec, the EAGLE-3 head, k <= 4 on 1 chat questions: .*1/1 outputs "
                      r"identical to target-only greedy", out), out
