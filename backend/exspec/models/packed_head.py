@@ -5,7 +5,7 @@ model (SmolLM2-135M: 49,152 x 576, a fifth of its weights). MKL's sgemm repacks 
 every call, and from 4 rows on takes a path that costs about twice one row: on an Intel Xeon, one
 thread, 10.3 ms for 1 row, 20.5 ms for 5. A weight packed once by oneDNN for that batch size
 (`mkldnn._reorder_linear_weight`) costs 9.8 ms for 1 row and 10.4 ms for 5, so the head no longer
-grows with the verification's width (measured by `scripts/decode_forward_cost.py --real`;
+grows with the verification's width (measured by `scripts/verification_cost.py`;
 docs/results-by-machine.md).
 
 Only the head, and only on the compiled path: it runs eagerly between the compiled regions (a
