@@ -296,8 +296,6 @@ class ModelRunner:
                 self, state, seqs, plan, inputs.proposer, inputs.sent,
                 StepState(rows, coupled, u, noise, inputs.start + 1, inputs.masks, group.processing, stop))
         k = proposal.width   # what is verified: fewer than planned if the round stopped early
-        if proposal.tokens is not None:   # drafted on the device: one forward per draft
-            self.stats.add("draft_forwards", k)
         if k < plan.width:
             self.stats.add("draft_stopped_steps")
             noise = None if noise is None else noise[:, :k + 1]

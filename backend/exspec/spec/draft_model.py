@@ -124,6 +124,7 @@ class DraftModelProposer(Proposer):
             if j + 1 < k:
                 ids, pos = token[:, None], (step.next_pos + j)[:, None]
                 valid, counts = torch.ones_like(ids, dtype=torch.bool), [1] * batch
+        runner.stats.add("draft_forwards", len(tokens))
         # the drafts' confidence bins, the calibration's input, come down with the step's copy
         bins = confidence_bin(torch.stack(seen, 1)) if seen else None
         return Proposal(len(tokens), torch.stack(tokens, 1),
