@@ -34,6 +34,8 @@ class _Model:
     def commit(self, state, width, accepted, kept):
         pass
 
+    commit_undrafted = commit
+
 
 def _hybrid() -> HybridProposer:
     return HybridProposer(_Model(), SuffixProposer(max_tree_depth=8))
@@ -207,9 +209,10 @@ def test_a_suffix_rows_token_at_its_cap_is_an_exact_sample_of_the_targets_p():
 
 
 def test_the_head_drafts_what_it_computes_offline_after_steps_on_suffix_decoding(deep, monkeypatch):
-    """The head drafts every row every step, and after steps whose kept tokens suffix decoding
-    proposed its first draft is still the head's offline one-pass prediction over the finished
-    sequence at that position: it took every committed token, with the true features."""
+    """After steps whose kept tokens suffix decoding proposed, the head's first draft is still
+    its offline one-pass prediction over the finished sequence at that position: it took every
+    committed token, with the true features, including those of steps it did not draft at all
+    (every row on suffix decoding: the model runs no forward there)."""
     from exspec.models import compiled
     from exspec.models.eagle3 import load_head
     from exspec.spec.eagle3 import Eagle3Proposer
@@ -226,6 +229,14 @@ def test_the_head_drafts_what_it_computes_offline_after_steps_on_suffix_decoding
         return proposal
 
     monkeypatch.setattr(Eagle3Proposer, "propose", recording)
+    plans = []
+    plan = HybridProposer.plan
+
+    def planning(self, runner, seqs, k, width_for=None):
+        plans.append(plan(self, runner, seqs, k, width_for))
+        return plans[-1]
+
+    monkeypatch.setattr(HybridProposer, "plan", planning)
     # suffix decoding wherever it proposes anything: many suffix steps, kept in part, between
     # head steps (the rule is not what this test is about)
     monkeypatch.setattr(HybridProposer, "head_expected", lambda self, row, cap: 0.0)
@@ -237,6 +248,11 @@ def test_the_head_drafts_what_it_computes_offline_after_steps_on_suffix_decoding
     assert all(o.finish_reason == "length" and o.error is None for wave in waves for o in wave)
     assert [o.token_ids for o in waves[0]] == [o.token_ids for o in waves[1]]
     assert engine.proposer.chosen["suffix"] > 5 and engine.proposer.chosen["head"] > 5, engine.proposer.chosen
+    drafting = [p for p in plans if p.width and p.drafts]
+    undrafted = [p for p in plans if p.width and not p.drafts]
+    assert len(undrafted) > 5 and all(all(p.suffix) for p in undrafted)
+    assert len({id(s) for s, _, _ in seen}) and engine.stats()["draft_forwards"] <= 3 * len(drafting)
+    assert len(seen) == sum(len(p.caps) for p in drafting), "the head drafted in an all-suffix step"
     head = load_head(head_dir, engine.target, torch.float32, "cpu")
     offline = {}
     for seq, m, draft in seen:

@@ -137,3 +137,8 @@ class DraftModelProposer(Proposer):
         if width > 0:
             state.kv.drop_tail([max(0, width - 1 - a) for a in accepted],
                                (width - 1 - kept).clamp_min(0))
+
+    def commit_undrafted(self, state: KVState, width: int, accepted: list[int],
+                         kept: torch.Tensor) -> None:
+        """A step verified drafts it did not make (a hybrid's all-suffix step): its cache holds
+        what it held, and its next drafting step catches up what it lacks (`stage`)."""

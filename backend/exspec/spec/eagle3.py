@@ -106,6 +106,20 @@ class HeadState(KVState):
         self.features = verified.gather(1, shift[..., None].expand(-1, -1, verified.shape[-1]))
         self.plain, self.counts = [], [a + 1 for a in accepted]
 
+    def extend_verified(self, verified: torch.Tensor, kept: torch.Tensor, accepted: list[int]) -> None:
+        """After a step the head did not draft: the features of the positions each row kept
+        (verified [B, width + 1, hidden], its first a + 1 columns) join the ones it has not
+        taken, right-aligned. Both are contiguous in [buffer, verified] (the buffer right-aligned,
+        the kept left-aligned), so one gather right-aligns them."""
+        held = self.joined()
+        counts = [c + a + 1 for c, a in zip(self.counts, accepted)]
+        width = max(counts)
+        back = torch.arange(width - 1, -1, -1, device=kept.device)   # columns from the right
+        at = (held.shape[1] + kept[:, None] - back).clamp_min(0)
+        both = torch.cat([held, verified], dim=1)
+        self.features = both.gather(1, at[..., None].expand(-1, -1, both.shape[-1]))
+        self.counts = counts
+
     def append(self, features: torch.Tensor) -> None:
         """A plain step's feature [B, 1, hidden] (the pending token's position) joins the buffer."""
         self.plain.append(features)
@@ -190,3 +204,9 @@ class Eagle3Proposer(DraftModelProposer):
         state.kv.drop_tail([width - 1] * len(accepted),
                            torch.full_like(kept, width - 1))
         state.keep_verified(verified, width, kept, accepted)
+
+    def commit_undrafted(self, state: HeadState, width: int, accepted: list[int],
+                         kept: torch.Tensor) -> None:
+        """A step verified drafts it did not make (a hybrid's all-suffix step): its cache holds
+        what it held; the buffer takes the kept positions' features after its own."""
+        state.extend_verified(self._target_features()[:, -(width + 1):], kept, accepted)

@@ -22,8 +22,11 @@ token committed there an exact sample of the target's p.
 
 The estimates it chooses by are host numbers kept from the rows' committed tokens, per row with
 the whole run's as its prior: no copy, no device work. A step where every row took suffix
-decoding verifies its longest proposal's width, not k; the head still drafts that many (cheap,
-and its cache stays in the one layout its commit knows).
+decoding verifies its longest proposal's width, not k, and the model does not draft at all (its
+k forwards would all be replaced; on two-turn chats they cost ~16% of the hybrid's speed): a
+draft model's cache stays as it was and catches up at its next drafting step, as after plain
+steps; the head's buffer takes the verification's features of the kept positions after the
+ones it already held, and its next first forward feeds them all.
 """
 from __future__ import annotations
 
@@ -76,6 +79,12 @@ class HybridPlan(Plan):
     offered: list[list[int]] = field(default_factory=list)   # the suffix proposals not taken
     starts: list[int] = field(default_factory=list)          # each row's tokens before the step
     scores: list[float] = field(default_factory=list)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the model drafts this step: not when every row verifies a suffix proposal
+        (then `tokens` holds them, as a lookup proposer's plan would)."""
+        return self.tokens is None
 
 
 class HybridProposer(Proposer):
@@ -147,10 +156,12 @@ class HybridProposer(Proposer):
             caps.append(len(tokens) if take else cap)
             scores.append(score)
             self.chosen["suffix" if take else "head"] += 1
-        # every row on suffix decoding: its longest proposal is the step's width
-        width = k if not all(suffix) else max(map(len, suffix))
-        self._plan = HybridPlan(width, caps, suffix=suffix, offered=offered,
-                                starts=[s.num_tokens for s in seqs], scores=scores)
+        # every row on suffix decoding: its longest proposal is the step's width, and the model
+        # does not draft
+        every = all(suffix)
+        width = max(map(len, suffix)) if every else k
+        self._plan = HybridPlan(width, caps, suffix if every else None, suffix=suffix,
+                                offered=offered, starts=[s.num_tokens for s in seqs], scores=scores)
         self.choice_seconds += time.perf_counter() - start
         return self._plan
 
@@ -162,7 +173,9 @@ class HybridProposer(Proposer):
         self.model.prefill(runner, state, ragged)
 
     def stage(self, runner: Runner, state, seqs, plan: Plan, upload):
-        staged, room = self.model.stage(runner, state, seqs, plan, upload)
+        staged, room = None, {}
+        if not isinstance(plan, HybridPlan) or plan.drafts:
+            staged, room = self.model.stage(runner, state, seqs, plan, upload)
         at = None
         if isinstance(plan, HybridPlan) and any(plan.suffix):
             # per row: whether it takes suffix decoding, then its proposal padded to the width
@@ -174,6 +187,11 @@ class HybridProposer(Proposer):
     def propose(self, runner: Runner, state, seqs, plan: Plan, staged, sent: list[torch.Tensor],
                 step: StepState) -> Proposal:
         staged, at = staged
+        if isinstance(plan, HybridPlan) and not plan.drafts:   # the suffix proposals alone
+            tokens = sent[at][:, 1:].long()
+            q = None if step.coupled else \
+                torch.nn.functional.one_hot(tokens, runner.logits_width).float()
+            return Proposal(plan.width, tokens, q, masks=step.masks)
         proposal = self.model.propose(runner, state, seqs, plan, staged, sent, step)
         if at is None:
             return proposal
@@ -190,8 +208,11 @@ class HybridProposer(Proposer):
                         confidence_bins=proposal.confidence_bins)
 
     def commit(self, state, width: int, accepted: list[int], kept: torch.Tensor) -> None:
-        self.model.commit(state, width, accepted, kept)
         plan, self._plan = self._plan, None
+        if plan is not None and not plan.drafts:
+            self.model.commit_undrafted(state, width, accepted, kept)
+        else:
+            self.model.commit(state, width, accepted, kept)
         if plan is None or width == 0:
             return
         for row, a in enumerate(accepted):

@@ -92,6 +92,7 @@ class Runner(Protocol):
     stats: Stats
     transfers: object
     device: torch.device
+    logits_width: int   # the target's logit rows: a proposal's q is that wide
 
     def forward(self, model, kv, ids, pos, valid, counts: list[int], keep: int,
                 decode: bool = True) -> torch.Tensor: ...
