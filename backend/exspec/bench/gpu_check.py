@@ -61,7 +61,8 @@ from ..models import compiled
 from ..models.loading import DTYPES, ModelPair, _eos_ids, _max_positions
 from .equivalence import Reference
 from .flags import at_least, int_list, writable
-from .methods import CellKey, EngineMethod, HFGenerateMethod, HFModels, Prompt, run_interleaved
+from .methods import (CellKey, EngineMethod, HFGenerateMethod, HFModels, Prompt, pad_id_of,
+                      run_interleaved)
 
 REPO = Path(__file__).resolve().parents[3]
 # Qwen3-8B's config.json (Qwen/Qwen3-8B) but for max_position_embeddings; its draft: its first
@@ -201,8 +202,7 @@ class PairModels(HFModels):
         self.dtype, self.device = dtype, device
         self.tokenizer, self.target, self.draft = pair.tokenizer, pair.target, pair.draft
         self.eos_ids = pair.eos_ids
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
+        self.pad_id = pad_id_of(self.tokenizer, self.eos_ids)
         self.max_model_len = pair.max_model_len
 
 

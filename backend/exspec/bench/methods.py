@@ -230,6 +230,12 @@ def stats_delta(before: dict, after: dict) -> dict:
     return out
 
 
+def pad_id_of(tokenizer, eos_ids: list[int]) -> int:
+    """The id that left-pads a Hugging Face generate batch: the tokenizer's pad, else an EOS."""
+    pad = tokenizer.pad_token_id
+    return pad if pad is not None else min(eos_ids, default=0)
+
+
 class HFModels:
     """The pair loaded once with plain transformers: reference, baselines and cost model."""
 
@@ -244,8 +250,7 @@ class HFModels:
         if args.draft:
             self.draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(args.device).eval()
         self.eos_ids = _eos_ids(self.tokenizer, self.target)
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
+        self.pad_id = pad_id_of(self.tokenizer, self.eos_ids)
         limits = [_max_positions(m) for m in (self.target, self.draft) if m is not None]
         self.max_model_len = min([n for n in limits if n] or [4096])
 

@@ -10,7 +10,9 @@ served one after another (suffix decoding learns from the category's earlier ans
 forgets between categories; `--warm-prompts N`: each category's first N are served, not
 counted); then "all", every category's tokens over every category's steps. Columns: the
 proposers of the chosen methods (eqspec_X and exspec_X are one column: at batch 1 the layout
-proposes the same), batch 1, fixed k = -k, greedy, each measured where it is cheaper:
+proposes the same), fixed k = -k, greedy; at batch 1 (the default; `--batch-sizes 1,8` gives a
+table per batch size, and above 1 every column is the engine's, tokens over row-steps) each
+measured where it is cheaper:
 
 - a proposer with a model (the draft model, an EAGLE-3 head, the hybrids): the engine, its own
   stats over the category (committed tokens / steps);
