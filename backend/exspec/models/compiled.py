@@ -6,10 +6,14 @@ later one-token forwards, its catch-up forward, and the verification of k + 1 to
 prefill stays eager (its widths are the prompts').
 
 Regional compilation: what is compiled is the model's repeated decoder layer, not the whole
-model. One compiled function runs every layer: parameters are graph inputs (Dynamo inlines
-nn.Modules), and each layer gets a view of its own cache layer (kv.LayerCache) instead of the
-whole cache indexed by its `layer_idx`, so all layers of a model, however many, share one graph
-(the draft, of other shapes, gets its own). Embedding, mask building, final norm and lm_head
+model. One compiled function runs every layer: parameters are graph inputs, and each layer gets
+a view of its own cache layer (kv.LayerCache) instead of the whole cache indexed by its
+`layer_idx`, so all layers of a model, however many, share one graph (the draft, of other
+shapes, gets its own). The layers' tensors go in as one flat tuple per region, run through one
+template layer (a copy with meta tensors) by `torch.func.functional_call`, not as the layer
+modules themselves: Dynamo guards every attribute of every module it is handed (~2,900 guards a
+graph on the deep-narrow pair) and reads each parameter through its module before each call,
+which cost ~0.6 ms a region call there, a fifth of a compiled forward. Embedding, mask building, final norm and lm_head
 stay eager: cheap ops, once per forward. This cuts the warm-up by the layer count (a whole-model
 compile traces and generates code for every layer), the point of the 60 s budget. A model
 without one ModuleList of identical decoder layers falls back to compiling the whole model
@@ -54,6 +58,7 @@ was skipped or none captured (`cuda_graph_counts`).
 """
 from __future__ import annotations
 
+import copy
 import os
 import time
 from dataclasses import dataclass, field
@@ -208,6 +213,44 @@ class CompiledForward:
                             and next(self.model.parameters()).device.type == "cpu")
         options = {"options": {"cpp_wrapper": True}} if self.cpp_wrapper else self._options
         self.compiled = torch.compile(_run_layers, dynamic=True, backend=COMPILE_BACKEND, **options)
+        self.template, self.tensor_names = _template_of(self.layers[0])
+        per = self.layers_per_region
+        # each region's tensors, collected once (the engine never moves a loaded model): read
+        # through the modules at every call, they cost more than a small region computes
+        self.region_tensors = {
+            first: tuple(t for layer in self.layers[first:first + per]
+                         for t in _layer_tensors(layer, self.tensor_names))
+            for first in range(0, len(self.layers), per)}
+        if self.cuda_graphs:   # weights: static inputs for cudagraph trees (no copy per replay),
+            for tensors in self.region_tensors.values():   # guarded by shape, not identity
+                for tensor in tensors:
+                    torch._dynamo.mark_static_address(tensor, guard=False)
+
+
+def _layer_tensors(layer, names: tuple[str, ...]) -> list[torch.Tensor]:
+    """A layer's parameters and buffers in `names`' order."""
+    own = dict(layer.named_parameters())
+    own.update(layer.named_buffers())
+    return [own[name] for name in names]
+
+
+def _template_of(layer) -> tuple[torch.nn.Module, tuple[str, ...]]:
+    """A copy of `layer` that the regions run every layer's tensors through: its own tensors on
+    the meta device (no memory), without the hooks and the `_Region` forward put on the layer
+    (the copy calls its class's forward); and the names of the tensors it takes."""
+    names = tuple(n for n, _ in layer.named_parameters()) + tuple(n for n, _ in layer.named_buffers())
+    memo = {id(vars(layer).get("forward")): None}
+    for module in layer.modules():
+        for tensor in (*module._parameters.values(), *module._buffers.values()):
+            if tensor is not None:
+                memo[id(tensor)] = type(tensor)(torch.empty_like(tensor, device="meta")) \
+                    if isinstance(tensor, torch.nn.Parameter) else torch.empty_like(tensor, device="meta")
+        for name, hooks in vars(module).items():
+            if name.endswith("hooks") and isinstance(hooks, dict):
+                memo[id(hooks)] = type(hooks)()
+    template = copy.deepcopy(layer, memo)
+    vars(template).pop("forward", None)
+    return template, names
 
 
 def _shape(inputs) -> tuple[int, int, int]:
@@ -249,20 +292,22 @@ def _hidden(output):
     return output[0] if isinstance(output, tuple) else output
 
 
-def _run_layers(layers, caches, args, kwargs):
-    """The compiled region: consecutive decoder layers' own forwards (their class's, not the
-    `_Region` put on the instance), all given the region's first layer's arguments, except that
-    each gets its own cache layer (caches[j] where the whole cache was) and each later one is
-    fed the previous one's output. Returns the last output and each later layer's input
-    (layer_inputs.py reads them; they exist anyway, as the residual stream)."""
-    out, inputs = None, []
-    for layer, cache in zip(layers, caches):
+def _run_layers(template, names, tensors, caches, args, kwargs):
+    """The compiled region: consecutive decoder layers' forwards, each the template layer's
+    (its class's) with that layer's tensors (`tensors`: the region's, `names`' order, layer after
+    layer), all given the region's first layer's arguments, except that each gets its own cache
+    layer (caches[j] where the whole cache was) and each later one is fed the previous one's
+    output. Returns the last output and each later layer's input (layer_inputs.py reads them;
+    they exist anyway, as the residual stream)."""
+    out, inputs, count = None, [], len(names)
+    for j, cache in enumerate(caches):
         layer_args = [cache if isinstance(a, Cache) else a for a in args]
         if out is not None:
             layer_args[0] = _hidden(out)
             inputs.append(layer_args[0])
         layer_kwargs = {name: cache if isinstance(v, Cache) else v for name, v in kwargs.items()}
-        out = type(layer).forward(layer, *layer_args, **layer_kwargs)
+        own = dict(zip(names, tensors[j * count:(j + 1) * count]))
+        out = torch.func.functional_call(template, own, tuple(layer_args), layer_kwargs)
     return out, tuple(inputs)
 
 
@@ -318,7 +363,8 @@ class _Region:
             return out
         cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, Cache)), None)
         caches = tuple(self._own(cache, first + j) for j in range(per))
-        out, inputs = owner.compiled(tuple(owner.layers[first:first + per]), caches, args, kwargs)
+        out, inputs = owner.compiled(owner.template, owner.tensor_names, owner.region_tensors[first],
+                                     caches, args, kwargs)
         if per > 1:
             owner._chunk_out = (args, kwargs, out)
             owner._chunk_inputs = inputs
