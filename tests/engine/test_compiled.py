@@ -5,6 +5,7 @@ Dynamo's guards (hence recompiles and graph breaks) do not depend on the compile
 these tests compile with the "eager" backend: no C++ is generated in CI. The inductor backend
 is exercised by exspec-bench --paths eager,compiled.
 """
+import copy
 import logging
 import random
 
@@ -257,36 +258,62 @@ _TORCH_COMPILE = torch.compile
 
 
 def _module_guards_per_graph(monkeypatch) -> list[int]:
-    """Every graph the engine compiles from here on: how many of its guards check an nn.Module's
-    attributes (Dynamo evaluates them all before each call)."""
-    counts, real = [], _TORCH_COMPILE
-
-    def counting(entries):
-        counts.append(sum(e.orig_guard.source.is_unspecialized_nn_module() for e in entries))
-        return [True] * len(entries)
+    """Every graph the engine compiles from here on: how many of the guards it keeps check an
+    nn.Module's attributes (Dynamo evaluates them all before each call)."""
+    counts = []
 
     def with_counter(fn=None, **kwargs):
-        kwargs["options"] = {**(kwargs.get("options") or {}), "guard_filter_fn": counting}
-        return real(fn, **kwargs)
+        options = dict(kwargs.get("options") or {})
+        keeps = options.get("guard_filter_fn") or (lambda entries: [True] * len(entries))
+
+        def counting(entries):
+            kept = keeps(entries)
+            counts.append(sum(k and e.orig_guard.source.is_unspecialized_nn_module()
+                              for e, k in zip(entries, kept)))
+            return kept
+        kwargs["options"] = {**options, "guard_filter_fn": counting}
+        return _TORCH_COMPILE(fn, **kwargs)
     monkeypatch.setattr(compiled.torch, "compile", with_counter)
     return counts
 
 
-def test_module_guards_barely_grow_with_the_layers_a_region_runs(monkeypatch):
-    """A region is handed its layers' tensors and one template layer, not its layer modules, so
-    the module guards Dynamo evaluates before each call are the template's: a region of 3
-    layers has 1.4x the module guards of a region of one (469 against 339 here), where handed
-    the modules it had 2.8x (515 against 185: every layer's own; ~2,900 guards a graph on the
-    deep-narrow pair, ~0.6 ms a region call with reading the weights through the modules)."""
-    three = _module_guards_per_graph(monkeypatch)
+def test_regions_guard_no_module_attributes(monkeypatch):
+    """A region is handed its layers' tensors and one template layer, not its layer modules, and
+    the template's attributes are not guarded (nothing changes it): Dynamo checks none of the
+    module attributes it checked before each call when handed the modules (515 a graph for 3
+    layers here, ~2,900 on the deep-narrow pair, with reading each weight through its module
+    ~0.6 ms a region call)."""
+    counts = _module_guards_per_graph(monkeypatch)
     engine, _ = deep_engine("llama", "exspec")
     assert engine.runner.decode_forwards[engine.target].layers_per_region == 3
-    monkeypatch.setattr(compiled, "SHALLOW", DEEP)   # a model this deep keeps one layer a region
+    assert counts and max(counts) == 0, counts
+
+
+@pytest.mark.parametrize("shared_code", [False, True])
+def test_a_draft_of_the_targets_shapes_never_runs_the_targets_graphs(shared_code, monkeypatch):
+    """Models of the very same shapes whose layers differ in a constant (the draft is the target
+    but for its norms' eps, 0.5): each model's regions have a code object of their own, so each
+    compiles its own graphs (EXSPEC: one row, more rows), and the draft never runs the target's,
+    which no guard on the (unguarded) template would stop. Negative control: one code object
+    for both, and the draft runs the target's two graphs (its eps ignored)."""
+    if shared_code:
+        monkeypatch.setattr(compiled, "_own_code", lambda fn: fn)
     torch._dynamo.reset()
-    one = _module_guards_per_graph(monkeypatch)
-    engine, _ = deep_engine("llama", "exspec")
-    assert engine.runner.decode_forwards[engine.target].layers_per_region == 1
-    assert three and one and max(three) < 1.5 * max(one), (three, one)
+    before = compiled.dynamo_counts()["graphs"]
+    target, _ = build("llama", num_hidden_layers=DEEP)
+    draft = copy.deepcopy(target)
+    for module in draft.modules():
+        if hasattr(module, "variance_epsilon"):
+            module.variance_epsilon = 0.5
+    engine = LLMEngine(EngineConfig(target_model="llama", draft_model="llama", method="exspec",
+                                    num_speculative_tokens=3, max_batch_size=3, adaptive_k=False,
+                                    enforce_eager=False),
+                       pair=ModelPair(build_tokenizer(), target, draft, set(), 256))
+    outs = engine.generate(DEEP_PROMPTS, SamplingParams(max_tokens=10))
+    for i, (out, p) in enumerate(zip(outs, DEEP_PROMPTS)):
+        assert out.token_ids == greedy_reference(target, p, 10), f"row {i}"
+    graphs = compiled.dynamo_counts()["graphs"] - before
+    assert graphs == (2 if shared_code else 4), engine.warm_up.describe()
 
 
 def test_region_layers_fed_the_region_input_fail_equivalence(monkeypatch):

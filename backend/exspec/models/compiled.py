@@ -61,6 +61,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,8 +87,8 @@ class CompiledForward:
 
     # Graphs per model: {1, more} rows x {1, more} query tokens (EXSPEC: x 1, its one-token
     # forwards are fed as two). Compiled code is cached per code object and torch caps that
-    # cache at 8 entries by default (past that it silently runs eager); every model's layers
-    # share `_run_layers`'s, so the cap is raised to room for a few.
+    # cache at 8 entries by default (past that it silently runs eager); the cap is raised to
+    # room for a few.
     RECOMPILE_LIMIT = 64
 
     def __init__(self, model, cuda_graphs: bool = False):
@@ -211,8 +212,17 @@ class CompiledForward:
         # (options set) replay without any wrapper.
         self.cpp_wrapper = (not self._options and COMPILE_BACKEND == "inductor" and self.layers_per_region > 1
                             and next(self.model.parameters()).device.type == "cpu")
-        options = {"options": {"cpp_wrapper": True}} if self.cpp_wrapper else self._options
-        self.compiled = torch.compile(_run_layers, dynamic=True, backend=COMPILE_BACKEND, **options)
+        # no guards on the template's attributes: it is this model's own copy, which nothing
+        # changes, and its regions have a code object of their own (no other model's template
+        # can reach their graphs); what is guarded is the tensors and the arguments
+        options = {"guard_filter_fn": _not_on_modules}
+        if self.cpp_wrapper:
+            options["cpp_wrapper"] = True
+        if "mode" in self._options:   # a mode's inductor options, as torch takes one or the other
+            from torch._inductor import list_mode_options
+            options.update(list_mode_options(self._options["mode"]))
+        self.compiled = torch.compile(_own_code(_run_layers), dynamic=True, backend=COMPILE_BACKEND,
+                                      options=options)
         self.template, self.tensor_names = _template_of(self.layers[0])
         per = self.layers_per_region
         # each region's tensors, collected once (the engine never moves a loaded model): read
@@ -225,6 +235,18 @@ class CompiledForward:
             for tensors in self.region_tensors.values():   # guarded by shape, not identity
                 for tensor in tensors:
                     torch._dynamo.mark_static_address(tensor, guard=False)
+
+
+def _own_code(fn):
+    """`fn` with a code object of its own: Dynamo keeps compiled code, and its guards, per code
+    object."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+
+
+def _not_on_modules(guards) -> list[bool]:
+    """Keep a guard unless it checks an nn.Module's attributes (the template's, in a region)."""
+    return [not guard.orig_guard.source.is_unspecialized_nn_module() for guard in guards]
 
 
 def _layer_tensors(layer, names: tuple[str, ...]) -> list[torch.Tensor]:
