@@ -251,7 +251,8 @@ def test_the_head_drafts_what_it_computes_offline_after_steps_on_suffix_decoding
     drafting = [p for p in plans if p.width and p.drafts]
     undrafted = [p for p in plans if p.width and not p.drafts]
     assert len(undrafted) > 5 and all(all(p.suffix) for p in undrafted)
-    assert len({id(s) for s, _, _ in seen}) and engine.stats()["draft_forwards"] <= 3 * len(drafting)
+    # at most k forwards in each step the head drafts (a round may stop early), none in the others
+    assert seen and engine.stats()["draft_forwards"] <= 3 * len(drafting)
     assert len(seen) == sum(len(p.caps) for p in drafting), "the head drafted in an all-suffix step"
     head = load_head(head_dir, engine.target, torch.float32, "cpu")
     offline = {}
