@@ -55,6 +55,54 @@ def _random_head(target, ids=(0, 2, 3), draft_ids=None):
     return head
 
 
+def test_the_heads_feature_buffer_keeps_each_rows_features_in_order_through_any_steps():
+    """Drafted steps (keep_verified), steps the head did not draft (extend_verified: a hybrid's
+    all-suffix steps), plain steps (append), realignment and dropped rows, in random order and
+    long runs: the buffer read holds, right-aligned, exactly each row's features not yet taken
+    (a list per row, the model it must match)."""
+    from exspec.kv.padded import PaddedKV
+    from exspec.spec.eagle3 import HeadState
+
+    rng, model = torch.Generator().manual_seed(7), llama(VOCAB, seed=1)
+    hidden = model.config.hidden_size
+    state = HeadState.empty(PaddedKV.empty(model, 4, "cpu"), model, 4, "cpu")
+    rows = [[torch.zeros(hidden)] for _ in range(4)]   # the model: each row's features in order
+    serial = itertools.count(1)
+
+    def verified(width):   # distinct features, so any misplaced one shows
+        return torch.tensor([[[next(serial)] * hidden for _ in range(width + 1)] for _ in rows],
+                            dtype=torch.float32)
+
+    for step in range(300):
+        batch, op = len(rows), torch.randint(0, 10, (1,), generator=rng).item()
+        width = torch.randint(0, 5, (1,), generator=rng).item()
+        accepted = torch.randint(0, width + 1, (batch,), generator=rng).tolist()
+        if op < 2:
+            features = verified(width)
+            state.keep_verified(features, width, torch.tensor(accepted), accepted)
+            rows = [list(features[i, :a + 1]) for i, a in enumerate(accepted)]
+        elif op < 6:
+            features = verified(width)
+            state.extend_verified(features, torch.tensor(accepted), accepted)
+            rows = [r + list(features[i, :a + 1]) for i, (r, a) in enumerate(zip(rows, accepted))]
+        elif op < 8:
+            features = verified(0)
+            state.append(features)
+            rows = [r + [features[i, 0]] for i, r in enumerate(rows)]
+        elif op == 8:
+            state.compact()
+        elif batch > 1:
+            keep = sorted(torch.randperm(batch, generator=rng)[:batch - 1].tolist())
+            state.select(keep)
+            rows = [rows[i] for i in keep]
+        if step % 3 == 0 or op == 9:   # read now and then: reading joins what is pending
+            joined = state.joined()
+            assert state.counts == [len(r) for r in rows]
+            assert joined.shape[1] >= max(state.counts)
+            for i, r in enumerate(rows):
+                assert torch.equal(joined[i, joined.shape[1] - len(r):], torch.stack(r)), (step, i)
+
+
 def test_unrolled_training_steps_are_the_heads_own_drafting():
     """Training-time test's step 0 is the head's forward over all entries, and step j at base
     entry e is what the head drafts j tokens after e with its cache (true entries 0 .. e, then

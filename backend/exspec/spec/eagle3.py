@@ -42,16 +42,44 @@ class HeadState(KVState):
     def __init__(self, kv, model, features: torch.Tensor, counts: list[int]):
         super().__init__(kv, model)
         self.features = features   # [B, W, hidden], right-aligned
-        self.counts = counts       # per row, its features in `features` and `plain`
-        # plain steps' features [B, 1, hidden] each, after `features`: joined only when read,
-        # so a long run of plain steps appends in O(1) instead of copying the buffer each step
-        self.plain: list[torch.Tensor] = []
+        self.counts = counts       # per row, its features in `features` and `pending`
+        # features that came after `features`, joined only when read, so a long run of steps the
+        # head does not draft adds in O(1) instead of copying the buffer each step: a plain
+        # step's [B, 1, hidden], or an undrafted step's verified [B, width + 1, hidden] with
+        # `kept` [B] (its first kept + 1 columns are the row's)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.pending_counts = [0] * len(counts)   # per row, its features in `pending`
 
     def joined(self) -> torch.Tensor:
         """Every feature the head has not taken, [B, W, hidden], right-aligned."""
-        if self.plain:
-            self.features, self.plain = torch.cat([self.features, *self.plain], dim=1), []
+        if not self.pending:
+            return self.features
+        pieces = [self.features] + [f for f, _ in self.pending]
+        if all(kept is None for _, kept in self.pending):
+            self.features = torch.cat(pieces, dim=1)   # plain steps only: every column a row's
+        else:
+            self.features = self._right_aligned(torch.cat(pieces, dim=1))
+        self.pending, self.pending_counts = [], [0] * len(self.counts)
         return self.features
+
+    def _right_aligned(self, both: torch.Tensor) -> torch.Tensor:
+        """One scatter puts each row's columns of [features, *pending] (`both`) right-aligned:
+        its last columns of `features`, then each piece's (all of a plain step's, the first
+        kept + 1 of an undrafted step's)."""
+        device = both.device
+        held = self.features.shape[1]
+        own = torch.tensor([c - p for c, p in zip(self.counts, self.pending_counts)], device=device)
+        valid = [torch.arange(held, device=device) >= held - own[:, None]]
+        for f, kept in self.pending:
+            columns = torch.arange(f.shape[1], device=device).expand(len(self.counts), -1)
+            valid.append(columns <= kept[:, None] if kept is not None else torch.ones_like(columns, dtype=torch.bool))
+        valid = torch.cat(valid, dim=1)
+        width = max(self.counts)
+        counts = torch.tensor(self.counts, device=device)
+        to = torch.where(valid, valid.cumsum(1) - 1 + (width - counts)[:, None], width)
+        out = both.new_zeros(both.shape[0], width + 1, both.shape[-1])   # column `width`: the rest
+        out.scatter_(1, to[..., None].expand(-1, -1, both.shape[-1]), both)
+        return out[:, :width]
 
     @classmethod
     def empty(cls, kv, model, batch: int, device) -> "HeadState":
@@ -62,11 +90,12 @@ class HeadState(KVState):
         moved = super().select(rows)
         self.features = self.joined()[torch.tensor(rows, device=self.features.device)]
         self.counts = [self.counts[i] for i in rows]
+        self.pending_counts = [0] * len(rows)
         return moved + self.features.nbytes
 
     def compact(self) -> int:
         moved = super().compact()
-        width = max(max(self.counts, default=1) - len(self.plain), 1)   # the plain ones come last
+        width = max(max((c - p for c, p in zip(self.counts, self.pending_counts)), default=1), 1)
         if width < self.features.shape[1]:
             self.features = self.features[:, -width:]
         return moved
@@ -104,26 +133,23 @@ class HeadState(KVState):
         right-aligned."""
         shift = (torch.arange(width + 1, device=kept.device) - (width - kept)[:, None]).clamp_min(0)
         self.features = verified.gather(1, shift[..., None].expand(-1, -1, verified.shape[-1]))
-        self.plain, self.counts = [], [a + 1 for a in accepted]
+        self.counts = [a + 1 for a in accepted]
+        self.pending, self.pending_counts = [], [0] * len(accepted)
 
     def extend_verified(self, verified: torch.Tensor, kept: torch.Tensor, accepted: list[int]) -> None:
         """After a step the head did not draft: the features of the positions each row kept
         (verified [B, width + 1, hidden], its first a + 1 columns) join the ones it has not
-        taken, right-aligned. Both are contiguous in [buffer, verified] (the buffer right-aligned,
-        the kept left-aligned), so one gather right-aligns them."""
-        held = self.joined()
-        counts = [c + a + 1 for c, a in zip(self.counts, accepted)]
-        width = max(counts)
-        back = torch.arange(width - 1, -1, -1, device=kept.device)   # columns from the right
-        at = (held.shape[1] + kept[:, None] - back).clamp_min(0)
-        both = torch.cat([held, verified], dim=1)
-        self.features = both.gather(1, at[..., None].expand(-1, -1, both.shape[-1]))
-        self.counts = counts
+        taken (when read: `joined`)."""
+        self._add(verified, kept, [a + 1 for a in accepted])
 
     def append(self, features: torch.Tensor) -> None:
         """A plain step's feature [B, 1, hidden] (the pending token's position) joins the buffer."""
-        self.plain.append(features)
-        self.counts = [c + 1 for c in self.counts]
+        self._add(features, None, [1] * len(self.counts))
+
+    def _add(self, features: torch.Tensor, kept: torch.Tensor | None, added: list[int]) -> None:
+        self.pending.append((features, kept))
+        self.counts = [c + n for c, n in zip(self.counts, added)]
+        self.pending_counts = [c + n for c, n in zip(self.pending_counts, added)]
 
 
 class Eagle3Proposer(DraftModelProposer):
