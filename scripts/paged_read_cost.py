@@ -20,18 +20,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from exspec.utils.machine import processor_name
+
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
-
-
-def processor() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
 class Case:
@@ -101,7 +97,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
-    print(f"{processor()}, {args.threads} torch thread(s), batch {args.batch}")
+    print(f"{processor_name()}, {args.threads} torch thread(s), batch {args.batch}")
     print("page | context | queries | gather+SDPA us | in place us | in place / gather | max diff | gather bytes/layer")
     for page in (int(p) for p in args.pages.split(",")):
         for context in contexts:
