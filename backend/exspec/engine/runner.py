@@ -19,7 +19,7 @@ from ..kv.padded import PaddedKV
 from ..sampling.logits_processing import RowProcessing, processes_logits
 from ..sampling.logprobs import token_logprobs
 from ..sampling.noise import gumbel
-from ..sampling.sampler import RowSampling, accept, coupled_tokens, probs_from_logits, sample
+from ..sampling.sampler import RowSampling, accept, coupled_tokens, point_mass, probs_from_logits, sample
 from ..sampling.structured_output import StepMasks, apply_masks
 from ..spec.proposer import Plan, Proposal, Proposer, StepState
 from ..spec.vocab import logit_rows
@@ -399,7 +399,7 @@ class ModelRunner:
         shifted = ((k - proposed)[:, None] + torch.arange(k + 1, device=self.device)).clamp_max(k)
         logits = logits.gather(1, shifted[..., None].expand(-1, -1, logits.shape[-1]))
         draft_tokens = ids.gather(1, shifted)[:, 1:]
-        q = None if coupled else torch.nn.functional.one_hot(draft_tokens, logits.shape[-1]).float()
+        q = None if coupled else point_mass(draft_tokens, logits.shape[-1])
         return self._accept(group, k, rows, coupled, u, noise, logits, draft_tokens, q, masks)
 
     def _accept(self, group: Group, k: int, rows: RowSampling, coupled: bool, u, noise, logits,

@@ -118,10 +118,17 @@ def _top_k_top_p(scaled: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def point_mass(tokens: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, T] tokens -> [B, T, width] float32, all the mass on each token: a greedy row's
+    distribution, and the draft distribution q of a proposal made without a model (a lookup's,
+    a hybrid's suffix rows), which rejection sampling then accepts with probability p(token)."""
+    return torch.nn.functional.one_hot(tokens, width).float()
+
+
 def probs_from_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     """[B, T, V] logits -> [B, T, V] float32 probabilities after temperature, top-k and top-p
     (one-hot at the argmax for greedy rows of a mixed group)."""
-    one_hot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    one_hot = point_mass(logits.argmax(-1), logits.shape[-1])
     if rows.all_greedy:
         return one_hot
     return torch.where(rows.greedy[:, None, None], one_hot, processed_logits(logits, rows).softmax(-1))

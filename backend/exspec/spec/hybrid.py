@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..sampling.sampler import point_mass
 from ..speculative import SpeculativeConfig, SpeculativeMethod
 from .draft_model import DraftModelProposer
 from .eagle3 import Eagle3Proposer
@@ -189,8 +190,7 @@ class HybridProposer(Proposer):
         staged, at = staged
         if isinstance(plan, HybridPlan) and not plan.drafts:   # the suffix proposals alone
             tokens = sent[at][:, 1:].long()
-            q = None if step.coupled else \
-                torch.nn.functional.one_hot(tokens, runner.logits_width).float()
+            q = None if step.coupled else point_mass(tokens, runner.logits_width)
             return Proposal(plan.width, tokens, q, masks=step.masks)
         proposal = self.model.propose(runner, state, seqs, plan, staged, sent, step)
         if at is None:
@@ -202,7 +202,7 @@ class HybridProposer(Proposer):
                              proposal.tokens)
         q = proposal.q
         if q is not None:   # a point mass at each suffix token (and at the filler past its cap)
-            point = torch.nn.functional.one_hot(tokens, q.shape[-1]).to(q.dtype)
+            point = point_mass(tokens, q.shape[-1]).to(q.dtype)
             q = torch.where(chosen[:, None, None], point, q)
         return Proposal(proposal.width, tokens, q, masks=proposal.masks,
                         confidence_bins=proposal.confidence_bins)
