@@ -64,22 +64,20 @@ class HeadState(KVState):
 
     def _right_aligned(self, both: torch.Tensor) -> torch.Tensor:
         """One scatter puts each row's columns of [features, *pending] (`both`) right-aligned:
-        its last columns of `features`, then each piece's (all of a plain step's, the first
-        kept + 1 of an undrafted step's)."""
-        device = both.device
-        held = self.features.shape[1]
-        own = torch.tensor([c - p for c, p in zip(self.counts, self.pending_counts)], device=device)
-        valid = [torch.arange(held, device=device) >= held - own[:, None]]
+        all of `features` (its pads lie left of a row's own, so they land left of them again),
+        then all of a plain step's, and the first kept + 1 of an undrafted step's. Only device
+        tensors go in (no host list copied up: on a GPU that would wait for the queue)."""
+        device, total = both.device, both.shape[1]
+        valid = [torch.ones(both.shape[0], self.features.shape[1], dtype=torch.bool, device=device)]
         for f, kept in self.pending:
-            columns = torch.arange(f.shape[1], device=device).expand(len(self.counts), -1)
+            columns = torch.arange(f.shape[1], device=device).expand(both.shape[0], -1)
             valid.append(columns <= kept[:, None] if kept is not None else torch.ones_like(columns, dtype=torch.bool))
         valid = torch.cat(valid, dim=1)
-        width = max(self.counts)
-        counts = torch.tensor(self.counts, device=device)
-        to = torch.where(valid, valid.cumsum(1) - 1 + (width - counts)[:, None], width)
-        out = both.new_zeros(both.shape[0], width + 1, both.shape[-1])   # column `width`: the rest
+        rank = valid.cumsum(1)   # 1 .. a row's valid columns, in order
+        to = torch.where(valid, total - rank[:, -1:] + rank - 1, total)   # column `total`: the rest
+        out = both.new_zeros(both.shape[0], total + 1, both.shape[-1])
         out.scatter_(1, to[..., None].expand(-1, -1, both.shape[-1]), both)
-        return out[:, :width]
+        return out[:, total - max(self.counts):total]
 
     @classmethod
     def empty(cls, kv, model, batch: int, device) -> "HeadState":
