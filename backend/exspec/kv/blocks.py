@@ -246,6 +246,7 @@ class BlockKV:
         self.store = store
         self.tables = tables
         self._table: torch.Tensor | None = None   # the device block table, rebuilt on change
+        self._columns_of: torch.Tensor | None = None   # the table `_columns` was made from
 
     @property
     def cache(self):
@@ -281,16 +282,25 @@ class BlockKV:
                 return None
         if any(grew) or self._table is None:
             self._table = self.device_table()
-        table = self._table
-        width = table.shape[1] * BLOCK_SIZE
-        base = table.gather(1, positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE
-        slots = torch.where(input_valid, base, SCRATCH_BLOCK * BLOCK_SIZE).reshape(-1)
-        offsets = torch.arange(BLOCK_SIZE, device=table.device)
-        gather = (table[:, :, None] * BLOCK_SIZE + offsets).reshape(table.shape[0], width)
+        gather, columns = self._columns(self._table)
+        # a token's slot is the slot of the column its position names
+        slots = torch.where(input_valid, gather.gather(1, positions), SCRATCH_BLOCK * BLOCK_SIZE).reshape(-1)
         self.store.forward.bind(slots, gather)
         # a gathered column's position is its column: later ones (past the row's length,
         # scratch) are hidden by position, and out-of-window ones by their layer's window
-        return self.store.masks.build(torch.arange(width, device=table.device), None, positions)
+        return self.store.masks.build(columns, None, positions)
+
+    def _columns(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's slot of every gathered column [B, W] and the columns' positions [W]:
+        made once per device table (a table lasts until a row takes a new block, and serves
+        every forward of the model till then), not per forward."""
+        if self._columns_of is not table:
+            width = table.shape[1] * BLOCK_SIZE
+            offsets = torch.arange(BLOCK_SIZE, device=table.device)
+            self._gather = (table[:, :, None] * BLOCK_SIZE + offsets).reshape(table.shape[0], width)
+            self._positions = torch.arange(width, device=table.device)
+            self._columns_of = table
+        return self._gather, self._positions
 
     def device_table(self) -> torch.Tensor:
         """The rows' block table on the device: one host-to-device copy of `host_table()`."""
