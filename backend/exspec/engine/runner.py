@@ -168,10 +168,11 @@ class ModelRunner:
             if ids.shape[1] == 1 and kv.free_pads:
                 # fed as two tokens, a pad first (its entry goes to scratch): torch compiles a
                 # width of 1 apart, so this halves the graphs the warm-up compiles
-                ids, pos, valid = (torch.cat([torch.full_like(t[:, :1], fill), t], dim=1)
+                pad = torch.nn.functional.pad
+                ids, pos, valid = (pad(t, (1, 0), value=fill)
                                    for t, fill in ((ids, self.pad_id), (pos, 0), (valid, False)))
                 if features is not None:
-                    features = torch.cat([torch.zeros_like(features[:, :1]), features], dim=1)
+                    features = pad(features, (0, 0, 1, 0))
         mask = kv.attention_mask(valid, counts, pos, always=forward is not model)
         inputs = {} if features is None else {"features": features}
         out = forward(input_ids=ids, attention_mask=mask, position_ids=pos,
