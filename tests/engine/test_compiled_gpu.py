@@ -97,11 +97,18 @@ def test_warm_up_captures_cuda_graphs(qwen3_pair):
     """EXSPEC's compiled path on CUDA captures graphs before READY and skips none (cudagraph
     trees skip a graph silently, e.g. on a mutated non-static input; the engine refuses to load
     then, and this test says which)."""
+    from exspec.models import compiled
     eng = engine(qwen3_pair, "exspec")
     captured = eng.warm_up.cuda_graphs
     print(f"warm-up: {eng.warm_up.describe()}")
     assert captured is not None and captured["recorded"] > 0 and captured["skips"] == 0, captured
     assert all(f.cuda_graphs for f in eng.runner.decode_forwards.values())
+    # the warm-up built every shape: serving captures nothing (ragged rows, several batch sizes)
+    prompts = [p for p in make_prompts(320, None, seed=5, count=4) if len(p) > 1]
+    for batch in (1, 3, len(prompts)):
+        eng.generate(prompts[:batch], SamplingParams(max_tokens=24, ignore_eos=True))
+    assert compiled.cuda_graph_counts()["recorded"] == captured["recorded"], "captured after READY"
+    assert not any(f.eager_shapes for f in eng.runner.decode_forwards.values())
 
 
 def test_cuda_graph_capture_and_replay_do_not_sync(qwen3_pair, monkeypatch):

@@ -153,3 +153,64 @@ def test_a_one_token_prompt_alone_compiles_nothing_after_warm_up(pairs, referenc
     assert compile_counts() == before, f"after warm-up: {before} -> {compile_counts()}"
     assert not [r.getMessage() for r in caplog.records if NEW_SHAPE in r.getMessage()]
     assert out.token_ids == reference(pairs["llama", "target"], prompt, 8)
+
+
+def static_session(pairs, reference, proposer, monkeypatch, caplog):
+    """A random session on the compiled path with static shapes (the eager backend): the
+    engine, after it checked every output against the target alone."""
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(compiled, "STATIC_SHAPES", True)
+    if proposer == "draft_model_suffix":
+        from exspec.spec.hybrid import HybridProposer
+        monkeypatch.setattr(HybridProposer, "head_expected", lambda self, row, cap: 0.0)
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=MAX_BATCH,
+                         max_num_seqs=6, adaptive_k=True, num_speculative_tokens=K,
+                         max_num_batched_tokens=64, enforce_eager=False, proposer=proposer)
+    before = compile_counts()
+    arrivals, aborts, params, prompts = session(pairs["llama", "eos"], len(engine.tokenizer), seed=7, count=24)
+    with caplog.at_level(logging.INFO, logger="exspec"):
+        outputs, finished, _ = run_schedule(engine, arrivals, aborts, params)
+    assert compile_counts() == before, f"after warm-up: {before} -> {compile_counts()}"
+    for rid, prompt in prompts.items():
+        p = params[rid]
+        if p.n > 1 or p.structured_outputs is not None or finished[rid].finish_reason == "abort":
+            continue
+        tokens = [t for out in outputs[rid] for t in out.new_token_ids]
+        ref = reference(pairs["llama", "target"], prompt, p.max_tokens)
+        got = tokens[:len(ref)] if p.ignore_eos else tokens
+        assert got == ref, f"{rid}: got {tokens}, expected {ref}"
+    return engine
+
+
+K = 4
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "draft_model_suffix"])
+def test_with_static_shapes_a_random_session_meets_only_shapes_the_warm_up_built(
+        pairs, reference, proposer, monkeypatch, caplog):
+    """CUDA graphs' rule on the CPU: a graph per concrete (rows, tokens, KV columns), every one
+    built in the warm-up, any other run eagerly. In a random session (every row count, plain and
+    speculative steps of every width, contexts crossing table buckets) the target runs only
+    shapes the warm-up built, and the draft only those and its catch-up forwards wider than
+    k + 1 (after plain steps), so on a GPU nothing would be captured after READY; outputs exact."""
+    engine = static_session(pairs, reference, proposer, monkeypatch, caplog)
+    target = engine.runner.decode_forwards[engine.target]
+    shapes = compiled.static_shapes(MAX_BATCH, K, engine.max_model_len)
+    assert len(shapes) == MAX_BATCH * K * len({c for _, _, c in shapes}) and max(c for _, _, c in shapes) >= 256
+    assert all(f.static_shapes and f.shapes >= set(shapes) for f in engine.runner.decode_forwards.values())
+    assert target.eager_forwards == 0, sorted(target.eager_shapes)
+    draft = engine.runner.decode_forwards[engine.proposer.models[0]]
+    assert all(width > K + 1 for _, width, _ in draft.eager_shapes), sorted(draft.eager_shapes)
+    steps = {(s["rows"], s["k"]) for s in engine.stats()["steps_by_shape"]}
+    assert {r for r, _ in steps} >= set(range(1, MAX_BATCH + 1)) and {k for _, k in steps} >= {0, 1, K}, steps
+
+
+def test_a_shape_the_static_warm_up_left_out_runs_eagerly_and_exactly(pairs, reference, monkeypatch, caplog):
+    """Negative control: a warm-up that leaves out three-row shapes; the session's three-row
+    forwards then run eagerly (logged, counted), and every output is still exact."""
+    full = compiled.static_shapes
+    monkeypatch.setattr(compiled, "static_shapes", lambda *a: [s for s in full(*a) if s[0] != 3])
+    engine = static_session(pairs, reference, "draft_model", monkeypatch, caplog)
+    target = engine.runner.decode_forwards[engine.target]
+    assert target.eager_forwards > 0 and {rows for rows, _, _ in target.eager_shapes} == {3}
+    assert [r for r in caplog.records if "did not build" in r.getMessage()]

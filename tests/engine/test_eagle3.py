@@ -162,16 +162,18 @@ def test_the_engine_drafts_what_the_head_computes_offline(deep, monkeypatch, met
     assert 0 < kept < drafted
 
 
-@pytest.mark.parametrize("method, compiled_path", [("eqspec", False), ("exspec", False),
-                                                   ("exspec", True)])
+@pytest.mark.parametrize("method, compiled_path, static", [
+    ("eqspec", False, False), ("exspec", False, False), ("exspec", True, False),
+    ("exspec", True, True)])   # static shapes: CUDA graphs' rule (compiled.STATIC_SHAPES)
 def test_every_first_draft_is_the_offline_one_through_arrivals_plain_steps_and_ragged_rows(
-        deep, monkeypatch, method, compiled_path):
+        deep, monkeypatch, method, compiled_path, static):
     """The hard case of the test above: four rows at a time, requests arriving tick by tick,
     adaptive k (plain steps between speculative ones, whose features the head takes later in one
     ragged forward), rows keeping different numbers of drafts, groups merging and realigning.
     Every step's first draft of every row must still be the head's offline prediction at that
     row's pending token: a feature buffer that lost, doubled or shifted a position would not."""
     monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(compiled, "STATIC_SHAPES", static)
     # adaptive k's choices from a fixed cycle, not from this machine's step costs (on a CPU
     # where widths cost more it ran plain nearly throughout): every width, plain steps between
     cycle = itertools.cycle([3, 0, 1, 0, 0, 2, 3, 1])
@@ -206,6 +208,10 @@ def test_every_first_draft_is_the_offline_one_through_arrivals_plain_steps_and_r
     # row keep that buffer's stride (a size-1 dimension's), which compiled a graph until the
     # runner gave compiled inputs fresh strides
     assert compiled.dynamo_counts() == before, f"after warm-up: {before} -> {compiled.dynamo_counts()}"
+    if static:   # the head's features went into every shape the warm-up built (its own width)
+        forwards = engine.runner.decode_forwards
+        assert forwards[engine.target].eager_forwards == 0, forwards[engine.target].eager_shapes
+        assert all(width > 4 for _, width, _ in forwards[engine.proposer.models[0]].eager_shapes)
     head = load_head(head_dir, engine.target, torch.float32, "cpu")
     drafts = {f"r{i}": first_drafts(engine.target, head, p + outputs[f"r{i}"])
               for i, p in enumerate(prompts)}

@@ -153,18 +153,23 @@ class LLMEngine:
         # change width every step, which would capture a graph per step)
         cuda_graphs = (torch.device(self.config.device).type == "cuda"
                        and isinstance(self.runner.kv_layout, BlockStores))
+        # a graph per concrete shape, each built in the warm-up (CUDA graphs; on a CPU only
+        # where compiled.STATIC_SHAPES asks, which the tests do to check the warm-up's coverage)
+        static = cuda_graphs or (compiled.STATIC_SHAPES and isinstance(self.runner.kv_layout, BlockStores))
         forwards = {}
         models = (self.target, *self.proposer.models)
         for model in models:
             if (model, cuda_graphs) not in self.pair.decode_forwards:
                 self.pair.decode_forwards[model, cuda_graphs] = compiled.CompiledForward(model, cuda_graphs)
             forwards[model] = self.pair.decode_forwards[model, cuda_graphs]
+            forwards[model].static_shapes = static
         self.runner.decode_forwards = forwards
         stats, self.runner.stats = self.runner.stats, Stats(model_devices(*models))
         try:
             self.warm_up = compiled.warm_up(
                 self.runner, self._sequence, self.config.num_speculative_tokens,
-                self.target.get_output_embeddings().weight.shape[0])
+                self.target.get_output_embeddings().weight.shape[0],
+                max_rows=self.config.max_batch_size, max_model_len=self.max_model_len)
         finally:
             self.runner.stats = stats
         compiled.log.info(self.warm_up.summary())

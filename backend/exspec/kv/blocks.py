@@ -45,6 +45,19 @@ BLOCK_SIZE = 16
 SCRATCH_BLOCK = 0
 
 
+def table_bucket(blocks: int) -> int:
+    """A compiled path's block-table width for rows of at most `blocks` blocks: the next power
+    of two, at least 2 (torch compiles a size of 1 apart)."""
+    return 1 << (max(2, blocks) - 1).bit_length()
+
+
+def table_buckets(max_tokens: int) -> list[int]:
+    """Every block-table width a compiled path meets for rows of at most `max_tokens` entries
+    (2, 4, ... up to the bucket of max_tokens)."""
+    top = table_bucket(KVStore.units_for(max_tokens))
+    return [1 << i for i in range(1, top.bit_length())]
+
+
 class _Forward:
     """The current forward's indices, shared by every layer of a store: where the new entries
     go (`slots`, [B*q]) and which slots each row reads (`gather`, [B, W]); or, for one row whose
@@ -312,8 +325,11 @@ class BlockKV:
         least 2 (torch compiles a size of 1 apart). Eager attention reads only what rows hold:
         a bucket would make it read up to twice that (measured: 1.2-1.5x the forward)."""
         longest = max(len(t.blocks) for t in self.tables)
-        nb = 1 << (max(2, longest) - 1).bit_length() if self.store.bucketed else longest
-        return [t.blocks + [SCRATCH_BLOCK] * (nb - len(t.blocks)) for t in self.tables]
+        return self.padded_table(table_bucket(longest) if self.store.bucketed else longest)
+
+    def padded_table(self, width: int) -> list[list[int]]:
+        """[B][width] block ids: each row's blocks, then the scratch block."""
+        return [t.blocks + [SCRATCH_BLOCK] * (width - len(t.blocks)) for t in self.tables]
 
     def table_rows_for(self, extra: list[int]) -> list[list[int]] | None:
         """Ahead of a step: room for extra[i] more entries in row i; the new block table's host

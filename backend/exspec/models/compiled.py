@@ -49,12 +49,21 @@ buffers, key graphs by shape and check input addresses; a hand-made capture woul
 and still need a graph per (rows, query width, cache bucket). The store's buffers are marked as
 static addresses (kv.blocks._buffer) so their in-place writes do not make it skip a graph. Each
 forward starts a new replay generation; what outlives it is cloned (the whole-model fallback's
-logits; regionally the lm_head is eager and its logits are new tensors anyway). Rows are not
-padded to buckets: a graph is captured per concrete shape, a capture costs no compile, and the
-rows are at most max_batch_size; shapes first met after the warm-up (other row counts, longer
-cache buckets) are captured at their first use, and logged (`CompiledForward.__call__`). The warm-up runs its schedule twice (a
-cudagraph tree captures a graph at its second call) and the engine refuses to load if any graph
-was skipped or none captured (`cuda_graph_counts`).
+logits; regionally the lm_head is eager and its logits are new tensors anyway). The warm-up
+runs its schedule twice (a cudagraph tree captures a graph at its second call) and the engine
+refuses to load if any graph was skipped or none captured (`cuda_graph_counts`).
+
+Static shapes, so that nothing is captured after READY: a CUDA graph is per concrete (rows,
+tokens, KV columns), so after its schedule the warm-up runs every shape a decode forward on the
+block store can take that it has not met (`static_shapes`: rows 1 .. max_batch_size, not padded
+to buckets since a capture costs no compile; widths 2 .. k + 1; every table bucket up to
+max_model_len), each as one forward of new rows in a block of their own whose table is padded
+with the scratch block to the bucket; the engine refuses to load if one is missing. After READY
+a forward of any other shape runs eagerly, logged once per shape: only a draft's catch-up
+forward after more than k plain steps is wider than k + 1. Their count grows with max_batch_size
+x log2(max_model_len), hence max_model_len is worth setting to what a deployment needs. On a CPU
+`STATIC_SHAPES` turns the same rule on (tests/engine/test_compiled_session.py checks that a random
+session meets no shape the warm-up did not build).
 """
 from __future__ import annotations
 
@@ -71,6 +80,8 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import Cache
 
 from ..config import log
+from ..errors import ModelLoadError
+from ..kv.blocks import BLOCK_SIZE, table_buckets
 from ..kv.padded import LayerCache
 from ..params import SamplingParams
 from .packed_head import pack_head
@@ -79,6 +90,11 @@ from .packed_head import pack_head
 # graph breaks, mostly do not depend on the backend, so most tests use "eager" (no C++); inductor's
 # lowering may add shape guards of its own, which tests/engine/test_compiled_inductor.py checks.
 COMPILE_BACKEND = "inductor"
+
+# Static shapes (a graph per concrete shape, every one built in the warm-up) are what CUDA graphs
+# need; on a CPU, where inductor's symbolic graphs cover every shape, the tests turn them on to
+# check that the warm-up builds every shape a serving session meets.
+STATIC_SHAPES = False
 
 
 class CompiledForward:
@@ -105,9 +121,18 @@ class CompiledForward:
         # shape the warm-up did not meet, says so in the log (once per shape)
         self.warm = False
         self.shapes: set[tuple[int, int, int]] = set()   # (rows, tokens, KV columns) met
+        # a graph per concrete shape (CUDA graphs): after READY only the shapes the warm-up
+        # built run through it, any other runs eagerly (`eager_shapes`), so nothing is
+        # captured after READY (warm_up builds every shape a step can take, `static_shapes`)
+        self.static_shapes = cuda_graphs
+        self.eager_shapes: set[tuple[int, int, int]] = set()
+        self.eager_forwards = 0
+        self.features: tuple[int, torch.dtype] | None = None   # an EAGLE head's feature input
         self.cpp_wrapper = False   # inductor's C++ wrappers (regions of several layers on a CPU)
         # CUDA graphs: inductor's cudagraph trees (mode "reduce-overhead"), see cuda_graph_counts
         options = {"mode": "reduce-overhead"} if cuda_graphs else {}
+        if cuda_graphs:   # a graph per shape is the design (static_shapes), not a warning's matter
+            torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit = None
         layers = decoder_layers(model)
         # a layer whose forward another hook wraps (accelerate's, under device_map) would lose
         # it in the region, which calls the class's forward
@@ -149,8 +174,19 @@ class CompiledForward:
     def __call__(self, **inputs):
         if not self.warm:
             self.shapes.add(_shape(inputs))
+            features = inputs.get("features")
+            if features is not None:   # its size and dtype, for the warm-up's other shapes
+                self.features = (features.shape[-1], features.dtype)
             return self._forward(inputs)
         graphs, shape = dynamo_counts()["graphs"], _shape(inputs)
+        if self.static_shapes and shape not in self.shapes:
+            if shape not in self.eager_shapes:
+                log.info("exspec: compiled decode path: %s ran a shape the warm-up did not build "
+                         "eagerly (%d rows, %d tokens, %d KV columns): nothing is captured after "
+                         "READY", type(self.model).__name__, *shape)
+            self.eager_shapes.add(shape)
+            self.eager_forwards += 1
+            return self.model(**inputs)
         out = self._forward(inputs)
         compiled = dynamo_counts()["graphs"] - graphs
         captured = self.cuda_graphs and shape not in self.shapes
@@ -484,16 +520,80 @@ def warm_up_schedule(k: int) -> list[int]:
     return [k, 0, k, 0, 0, 0, k] if k > 0 else [0, 0]
 
 
-def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | None = None) -> WarmUp:
+def static_shapes(max_rows: int, k: int, max_model_len: int) -> list[tuple[int, int, int]]:
+    """Every (rows, tokens, KV columns) a decode forward on the block store can take, in the
+    order the warm-up builds them: rows 1 .. max_rows (not padded to buckets: a capture costs no
+    compile), widths 2 .. k + 1 (a one-token forward is fed as two; a draft's catch-up after
+    more plain steps than that is wider, and runs eagerly), and every block-table bucket up to
+    max_model_len (verification never reaches past it)."""
+    widths = range(2, max(2, k + 1) + 1)
+    return [(rows, width, blocks * BLOCK_SIZE) for rows in range(1, max_rows + 1)
+            for blocks in table_buckets(max_model_len) for width in widths]
+
+
+@torch.inference_mode()   # as the runner's steps
+def _shape_forward(runner, model, forward: CompiledForward, shape: tuple[int, int, int]) -> None:
+    """One decode forward of `shape` on the block store, for the warm-up: `rows` new rows of
+    `width` pad tokens, each in a block of its own, their table padded with the scratch block to
+    the shape's KV columns (the mask hides those); the blocks go back to the store after."""
+    rows, width, columns = shape
+    kv = runner.kv_layout.empty(model, rows, runner.device)
+    for table in kv.tables:
+        table.reserve(kv.store, width)
+    kv.use_table(kv.store.transfers.to_device(torch.tensor(kv.padded_table(columns // BLOCK_SIZE))))
+    device = runner.device
+    ids = torch.full((rows, width), runner.pad_id, device=device)
+    pos = torch.arange(width, device=device).repeat(rows, 1)
+    valid = torch.ones((rows, width), dtype=torch.bool, device=device)
+    features = None
+    if forward.features is not None:
+        size, dtype = forward.features
+        features = torch.zeros((rows, width, size), dtype=dtype, device=device)
+    try:
+        runner.forward_output(model, kv, ids, pos, valid, [width] * rows, keep=1, features=features)
+    finally:
+        kv.select([])
+
+
+def _build_static_shapes(runner, forwards: dict, shapes: list, rounds: int, bar) -> None:
+    """Run each static-shape forward at every shape of `shapes` it has not met (`rounds` times:
+    a cudagraph tree captures at a shape's second call); then every one must be built, or the
+    engine does not load."""
+    for model, forward in forwards.items():
+        for shape in shapes:
+            if shape not in forward.shapes:
+                for _ in range(rounds):
+                    _shape_forward(runner, model, forward, shape)
+            bar.update()
+        missing = [s for s in shapes if s not in forward.shapes]
+        if missing:
+            raise ModelLoadError(
+                f"compiled decode path: the warm-up did not build {type(model).__name__}'s graph for "
+                f"{len(missing)} shape(s), first (rows, tokens, KV columns) = {missing[0]}; set "
+                f"enforce_eager to serve eagerly")
+
+
+def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | None = None,
+            max_rows: int = 2, max_model_len: int = 0) -> WarmUp:
     """Run every decode forward kind at 1 and 2 rows so that all compiling happens now.
     `make_sequence(request_id, prompt_ids, params)` builds an engine Sequence. With CUDA graphs
     the schedule runs twice: cudagraph trees run a graph's first call without capturing it.
+    Forwards with static shapes then run each shape of `static_shapes(max_rows, k,
+    max_model_len)` they have not met, so that nothing is captured after READY.
     `progress`: a progress bar of the warm-up's steps on stderr (None: where stderr is a
     terminal); each row count's steps also end with a log line, for server logs."""
     forwards = [runner.decode_forwards[m] for m in (runner.target, *runner.proposer.models)
                 if m in runner.decode_forwards]
     cuda_graphs = any(f.cuda_graphs for f in forwards)
     rounds = 2 if cuda_graphs else 1
+    static = {m: runner.decode_forwards[m] for m in (runner.target, *runner.proposer.models)
+              if m in runner.decode_forwards and runner.decode_forwards[m].static_shapes}
+    k = k if runner.proposer.proposes else 0
+    shapes = static_shapes(max_rows, k, max_model_len) if static else []
+    if static:
+        log.info("exspec: warm-up: %d decode shapes per static-shape model (rows 1..%d x widths "
+                 "2..%d x %d KV buckets up to %d tokens)", len(shapes), max_rows, max(2, k + 1),
+                 len(table_buckets(max_model_len)), max_model_len)
     for forward in forwards:   # compiling now is the point (a pair's forwards serve each engine built on it)
         forward.warm = False
     inductor = COMPILE_BACKEND == "inductor"
@@ -501,9 +601,9 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | Non
     before, start, cache_before = dynamo_counts(), time.perf_counter(), inductor_cache_counts()
     skips_before = cuda_graph_counts()["skips"] if cuda_graphs else 0
     params = SamplingParams(max_tokens=8 * (k + 1) * rounds, ignore_eos=True)   # never finishes here
-    schedule = warm_up_schedule(k if runner.proposer.proposes else 0) * rounds
-    bar = tqdm(total=len(WARM_UP_ROWS) * len(schedule), unit="step", disable=_no_bar(progress),
-               desc="exspec: compiling the decode path (warm-up)")
+    schedule = warm_up_schedule(k) * rounds
+    bar = tqdm(total=len(WARM_UP_ROWS) * len(schedule) + len(static) * len(shapes), unit="step",
+               disable=_no_bar(progress), desc="exspec: compiling the decode path (warm-up)")
     with bar:
         for batch in WARM_UP_ROWS:   # whole rounds (no draft stop): the k + 1 verification too
             # periodic prompts, so that an n-gram proposer proposes in its first step
@@ -519,6 +619,7 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | Non
             log.info("exspec: warm-up: %d row(s) done (%d steps), %d graphs compiled so far, %.1f s",
                      batch, len(schedule), dynamo_counts()["graphs"] - before["graphs"],
                      time.perf_counter() - start)
+        _build_static_shapes(runner, static, shapes, rounds, bar)
     for forward in forwards:
         forward.warm = True
     after, cache_after = dynamo_counts(), inductor_cache_counts()
