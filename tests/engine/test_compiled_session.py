@@ -214,3 +214,16 @@ def test_a_shape_the_static_warm_up_left_out_runs_eagerly_and_exactly(pairs, ref
     target = engine.runner.decode_forwards[engine.target]
     assert target.eager_forwards > 0 and {rows for rows, _, _ in target.eager_shapes} == {3}
     assert [r for r in caplog.records if "did not build" in r.getMessage()]
+
+
+def test_a_static_shape_the_warm_up_could_not_build_refuses_to_load_naming_it(pairs, monkeypatch):
+    """Loading fails, naming the shape, rather than serving with a graph missing: here the
+    warm-up's extra shapes are never run (a shape forward that does nothing)."""
+    from exspec.errors import ModelLoadError
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(compiled, "STATIC_SHAPES", True)
+    monkeypatch.setattr(compiled, "_shape_forward", lambda *a: None)
+    with pytest.raises(ModelLoadError, match=r"did not build .* first \(rows, tokens, KV columns\) = "
+                                             r"\(1, 2, \d+\); set enforce_eager"):
+        make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2,
+                    num_speculative_tokens=2, enforce_eager=False)
