@@ -34,10 +34,9 @@ still specialises a size of 1 (one row, one query token), so the warm-up runs ea
 and 2 rows through a fixed schedule of steps that meets every forward kind once: 4 graphs per
 model with EQSPEC, 2 with EXSPEC (whose one-token forwards are fed as two, a pad first: a pad
 costs its block store nothing; but 4 for a CPU target whose matrices are stored for small
-batches, where two rows cost more than one: weight_layout.py), and afterwards nothing
-recompiles (tests/engine/test_compiled.py counts it with Dynamo's own counters;
-test_compiled_inductor.py with inductor); a forward that compiles after the warm-up anyway
-logs a warning naming its shape.
+batches, where two rows cost more than one: weight_layout.py), and afterwards nothing recompiles (tests/engine/test_compiled.py
+counts it with Dynamo's own counters; test_compiled_inductor.py with inductor); a forward that
+compiles after the warm-up anyway logs a warning naming its shape.
 
 Nothing that varies per step reaches the graph as a Python int: the KV layouts hand the model
 device tensors (EXSPEC's block tables, slots and masks, kv/blocks.py; EQSPEC's 2D mask, or its
@@ -105,9 +104,9 @@ class CompiledForward:
     compiled function for all of them) when it has them, else the whole model."""
 
     # Graphs per model: {1, more} rows x {1, more} query tokens (EXSPEC: x 1 where its one-token
-    # forwards are fed as two, `pads_one_token`). Compiled code is cached per code object and
-    # torch caps that cache at 8 entries by default (past that it silently runs eager); the cap
-    # is raised to room for a few.
+    # forwards are fed as two, `pads_one_token`). Compiled code is cached per code object and torch caps that
+    # cache at 8 entries by default (past that it silently runs eager); the cap is raised to
+    # room for a few.
     RECOMPILE_LIMIT = 64
 
     def __init__(self, model, cuda_graphs: bool = False, verifies: bool = False):
