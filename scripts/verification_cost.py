@@ -1,9 +1,7 @@
 """What a verification costs against one token on this machine: the real pair's target
 (SmolLM2-135M-Instruct, `make real-pair`) at batch 1 over a 96-token context, forwards of 1, 2, 3
-and 5 tokens through the engine's own runner, on the eager path, the compiled path (its lm_head
-packed, its layers' matrices stored [in, out]: packed_head.py, weight_layout.py), the compiled
-path with the matrices as nn.Linear keeps them (one-token forwards then fed as two), and with the
-plain lm_head (`--no-packed-head` leaves that cell out). Every cell is an
+and 5 tokens through the engine's own runner, on the eager path, the compiled path, and the
+compiled path with the plain lm_head (`--no-packed-head` leaves that cell out). Every cell is an
 engine of its own on one store layout (EXSPEC's block store, n-gram proposer: no draft to load);
 the widths and cells are timed in turn, round after round, and each figure is a median.
 
@@ -22,24 +20,20 @@ CONTEXT = 96
 WIDTHS = (1, 2, 3, 5)
 
 
-def build(path: str, compiled_path: bool, packed: bool, laid_out: bool = True):
-    """One cell's engine, warm, and its target forward (width -> seconds; demo/check_cost.py).
-    `packed` False: the plain lm_head; `laid_out` False: the layers' matrices as nn.Linear keeps
-    them (and one-token forwards fed as two)."""
+def build(path: str, compiled_path: bool, packed: bool):
+    """One cell's engine, warm, and its target forward (width -> seconds; demo/check_cost.py)."""
     from exspec import EngineConfig, LLMEngine
     from exspec.demo.check_cost import engine_forward
-    from exspec.models import compiled, packed_head
-    packable, lay_out = packed_head.packable, compiled.lay_out_for_small_batches
+    from exspec.models import packed_head
     if not packed:   # this cell's head stays plain: nothing to pack
-        packed_head.packable = lambda model: False
-    if not laid_out:
-        compiled.lay_out_for_small_batches = lambda layers: 0
+        real, packed_head.packable = packed_head.packable, lambda model: False
     try:
         engine = LLMEngine(EngineConfig(target_model=path, method="exspec", proposer="ngram",
                                         num_speculative_tokens=max(WIDTHS) - 1, max_batch_size=1,
                                         adaptive_k=False, enforce_eager=not compiled_path))
     finally:
-        packed_head.packable, compiled.lay_out_for_small_batches = packable, lay_out
+        if not packed:
+            packed_head.packable = real
     return engine_forward(engine, CONTEXT)
 
 
@@ -56,8 +50,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = str(PAIR_DIR / "target")
     cells = {"eager": build(target, False, False),
-             "compiled": build(target, True, True),
-             "compiled, [out, in] matrices": build(target, True, True, laid_out=False)}
+             "compiled, packed head": build(target, True, True)}
     if not args.no_packed_head:
         cells["compiled, plain head"] = build(target, True, False)
     seconds = {(cell, w): [] for cell in cells for w in WIDTHS}
@@ -72,7 +65,7 @@ def main() -> None:
           f"at batch 1 over {CONTEXT} cached tokens, medians of {args.rounds} rounds:")
     for cell in cells:
         ms = {w: 1e3 * statistics.median(seconds[cell, w]) for w in WIDTHS}
-        print(f"  {cell:28s} " + "  ".join(f"{w} tok {ms[w]:.1f} ms ({ms[w] / ms[1]:.2f}x)" for w in WIDTHS))
+        print(f"  {cell:22s} " + "  ".join(f"{w} tok {ms[w]:.1f} ms ({ms[w] / ms[1]:.2f}x)" for w in WIDTHS))
 
 
 if __name__ == "__main__":

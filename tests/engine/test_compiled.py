@@ -172,17 +172,14 @@ def test_a_shape_the_warm_up_missed_compiles_and_says_so_in_the_log(pairs, refer
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_decoder_layers_share_one_compiled_region(pairs, arch):
     """Regional compilation: every decoder layer of a model runs the one compiled function, so a
-    3-layer draft of other shapes adds 2 graphs ({1, more} rows; EXSPEC feeds its one-token
-    forwards as two) and the 2-layer target 2, or 4 where its matrices are laid out for small
-    batches ({1, more} tokens too: its one-token forwards go in as one, weight_layout.py); a
-    graph per layer (a layer index reaching the graph) would make it 3 times as many."""
+    3-layer draft of other shapes adds the same 2 graphs ({1, more} rows; EXSPEC feeds one-token
+    forwards as two) as the 2-layer target; a graph per layer (a layer index reaching the
+    graph) would make it 2 + 6, and a one-token forward of its own 8."""
     engine = make_engine(pairs, arch, "othershape", method="exspec", max_batch_size=2,
                          num_speculative_tokens=2, enforce_eager=False)
     forwards = [engine.runner.decode_forwards[m] for m in (engine.target, engine.draft)]
     assert all(f.regional for f in forwards), engine.warm_up.compiled
-    expected = (4 if forwards[0].small_batch_layout else 2) + 2
-    assert bool(forwards[0].small_batch_layout) == (arch == "llama"), engine.warm_up.compiled   # gpt2: Conv1D
-    assert engine.warm_up.graphs <= expected, f"{engine.warm_up.graphs} graphs: layers did not share one"
+    assert engine.warm_up.graphs <= 4, f"{engine.warm_up.graphs} graphs: layers did not share one"
 
 
 def test_layers_sharing_one_cache_layer_fail_equivalence(pairs, reference, monkeypatch):
@@ -298,9 +295,7 @@ def test_a_draft_of_the_targets_shapes_never_runs_the_targets_graphs(shared_code
     but for its norms' eps, 0.5): each model's regions have a code object of their own, so each
     compiles its own graphs (EXSPEC: one row, more rows), and the draft never runs the target's,
     which no guard on the (unguarded) template would stop. Negative control: one code object
-    for both, and the draft runs the target's two graphs (its eps ignored). The target's matrices
-    keep nn.Linear's layout here (the same strides as the draft's)."""
-    monkeypatch.setattr(compiled, "lay_out_for_small_batches", lambda layers: 0)
+    for both, and the draft runs the target's two graphs (its eps ignored)."""
     if shared_code:
         monkeypatch.setattr(compiled, "_own_code", lambda fn: fn)
     torch._dynamo.reset()

@@ -1,8 +1,6 @@
 """Eager against compiled, forward by forward: the cost of one decode forward of each model on
 each path, at a few batch sizes, measured on one compiled engine's runner (the same KV store,
-the same inputs, only the forward swapped), interleaved eager / compiled, median of repeats. The
-weights are the compiled path's: on a CPU the target's layer matrices stored [in, out]
-(models/weight_layout.py) for the eager forwards too."""
+the same inputs, only the forward swapped), interleaved eager / compiled, median of repeats."""
 from __future__ import annotations
 
 import statistics

@@ -160,8 +160,7 @@ class LLMEngine:
         models = (self.target, *self.proposer.models)
         for model in models:
             if (model, cuda_graphs) not in self.pair.decode_forwards:
-                self.pair.decode_forwards[model, cuda_graphs] = compiled.CompiledForward(
-                    model, cuda_graphs, verifies=model is self.target and not static)
+                self.pair.decode_forwards[model, cuda_graphs] = compiled.CompiledForward(model, cuda_graphs)
             forwards[model] = self.pair.decode_forwards[model, cuda_graphs]
             forwards[model].static_shapes = static
         self.runner.decode_forwards = forwards

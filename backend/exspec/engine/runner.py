@@ -165,7 +165,7 @@ class ModelRunner:
             # rows, say) would compile a new graph after the warm-up
             ids, pos, valid = _dense(ids), _dense(pos), _dense(valid)
             features = None if features is None else _dense(features)
-            if ids.shape[1] == 1 and kv.free_pads and forward.pads_one_token:
+            if ids.shape[1] == 1 and kv.free_pads:
                 # fed as two tokens, a pad first (its entry goes to scratch): torch compiles a
                 # width of 1 apart, so this halves the graphs the warm-up compiles
                 pad = torch.nn.functional.pad

@@ -33,8 +33,7 @@ are symbols, so a step with more rows, another k or longer rows reuses the same 
 still specialises a size of 1 (one row, one query token), so the warm-up runs each model at 1
 and 2 rows through a fixed schedule of steps that meets every forward kind once: 4 graphs per
 model with EQSPEC, 2 with EXSPEC (whose one-token forwards are fed as two, a pad first: a pad
-costs its block store nothing; but 4 for a CPU target whose matrices are stored for small
-batches, where two rows cost more than one: weight_layout.py), and afterwards nothing recompiles (tests/engine/test_compiled.py
+costs its block store nothing), and afterwards nothing recompiles (tests/engine/test_compiled.py
 counts it with Dynamo's own counters; test_compiled_inductor.py with inductor); a forward that
 compiles after the warm-up anyway logs a warning naming its shape.
 
@@ -86,7 +85,6 @@ from ..kv.blocks import BLOCK_SIZE, table_buckets
 from ..kv.padded import LayerCache
 from ..params import SamplingParams
 from .packed_head import pack_head
-from .weight_layout import lay_out_for_small_batches
 
 # "inductor" generates C++ (CPU) or Triton (GPU) kernels. Dynamo's guards, hence recompiles and
 # graph breaks, mostly do not depend on the backend, so most tests use "eager" (no C++); inductor's
@@ -103,13 +101,13 @@ class CompiledForward:
     """A model's decode forward through torch.compile: its decoder layers regionally (one
     compiled function for all of them) when it has them, else the whole model."""
 
-    # Graphs per model: {1, more} rows x {1, more} query tokens (EXSPEC: x 1 where its one-token
-    # forwards are fed as two, `pads_one_token`). Compiled code is cached per code object and torch caps that
+    # Graphs per model: {1, more} rows x {1, more} query tokens (EXSPEC: x 1, its one-token
+    # forwards are fed as two). Compiled code is cached per code object and torch caps that
     # cache at 8 entries by default (past that it silently runs eager); the cap is raised to
     # room for a few.
     RECOMPILE_LIMIT = 64
 
-    def __init__(self, model, cuda_graphs: bool = False, verifies: bool = False):
+    def __init__(self, model, cuda_graphs: bool = False):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    self.RECOMPILE_LIMIT)
         # No duck shaping: equal sizes at the first compile (two query tokens and two KV heads,
@@ -145,11 +143,6 @@ class CompiledForward:
         # the lm_head runs eagerly between the regions: on a CPU it gets weights packed for
         # small batches, so a k + 1 verification's head costs about one token's (packed_head.py)
         self.packed_head = self.regional and not cuda_graphs and pack_head(model, lambda: self.active)
-        # a model that verifies (the target), on a CPU: its layers' matrices stored [in, out],
-        # which MKL reads faster for a verification's rows, and its one-token forwards fed as
-        # one (weight_layout.py); their count, 0 where it does not apply
-        self.small_batch_layout = (lay_out_for_small_batches(layers)
-                                   if verifies and self.regional and not cuda_graphs else 0)
         if self.regional:
             self.layers = list(layers)
             self.layer_class = type(layers[0]).__name__
@@ -175,17 +168,8 @@ class CompiledForward:
                     "one layer per region" + (f" ({self.why_one_per_region})" if self.why_one_per_region else ""))
         wrappers = ", C++ wrappers" if self.cpp_wrapper else ""
         head = ", lm_head packed for small batches (oneDNN)" if self.packed_head else ""
-        layout = ", layer matrices stored [in, out]" if self.small_batch_layout else ""
         return (f"{name}: regional, one graph for its {self.layer_class} layers, {grouping}"
-                f"{wrappers}{head}{layout}{graphs}")
-
-    @property
-    def pads_one_token(self) -> bool:
-        """Whether a one-token forward is fed as two (a pad first) where a pad is free: torch
-        compiles a width of 1 apart, so the pad halves the graphs, except where the matrices'
-        layout makes two rows dearer than one (small_batch_layout) or every shape is a graph of
-        its own anyway (static shapes keep the pad: fewer shapes to build)."""
-        return self.static_shapes or not self.small_batch_layout
+                f"{wrappers}{head}{graphs}")
 
     def __call__(self, **inputs):
         if not self.warm:

@@ -9,8 +9,8 @@ grows with the verification's width (measured by `scripts/verification_cost.py`;
 docs/results-by-machine.md).
 
 Only the head, and only on the compiled path: it runs eagerly between the compiled regions (a
-packed oneDNN tensor cannot enter a Dynamo graph); the target's decoder-layer matrices, inside
-the graphs, are stored [in, out] instead (weight_layout.py). The packed copy is extra memory (the head's size: 113
+packed oneDNN tensor cannot enter a Dynamo graph), and the decoder layers' own matrices, inside
+the graphs, stay as inductor lays them out. The packed copy is extra memory (the head's size: 113
 MB for SmolLM2, whose head is tied to its embedding). The eager path keeps Hugging Face's own
 forward, so its tokens are the reference's to the bit; on the compiled path the head's rounding
 differs from MKL's by float32 ulps, as inductor's kernels already do.
