@@ -59,8 +59,8 @@ block store can take that it has not met (`static_shapes`: rows 1 .. max_batch_s
 to buckets since a capture costs no compile; widths 2 .. k + 1; every table bucket up to
 max_model_len), each as one forward of new rows in a block of their own whose table is padded
 with the scratch block to the bucket; the engine refuses to load if one is missing. After READY
-a forward of any other shape runs eagerly, logged once per shape: only a draft's catch-up
-forward after more than k plain steps is wider than k + 1. Their count grows with max_batch_size
+a forward of any other shape runs eagerly, logged once per shape: only a proposer's catch-up
+forward (a draft's, an EAGLE head's) after more than k plain steps is wider than k + 1. Their count grows with max_batch_size
 x log2(max_model_len), hence max_model_len is worth setting to what a deployment needs. On a CPU
 `STATIC_SHAPES` turns the same rule on (tests/engine/test_compiled_session.py checks that a random
 session meets no shape the warm-up did not build).
@@ -523,7 +523,7 @@ def warm_up_schedule(k: int) -> list[int]:
 def static_shapes(max_rows: int, k: int, max_model_len: int) -> list[tuple[int, int, int]]:
     """Every (rows, tokens, KV columns) a decode forward on the block store can take, in the
     order the warm-up builds them: rows 1 .. max_rows (not padded to buckets: a capture costs no
-    compile), widths 2 .. k + 1 (a one-token forward is fed as two; a draft's catch-up after
+    compile), widths 2 .. k + 1 (a one-token forward is fed as two; a proposer's catch-up after
     more plain steps than that is wider, and runs eagerly), and every block-table bucket up to
     max_model_len (verification never reaches past it)."""
     widths = range(2, max(2, k + 1) + 1)
