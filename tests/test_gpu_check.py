@@ -90,12 +90,13 @@ def test_smoke_step_diagnostics_and_nothing_compiled_after_ready(smoke):
     diag = smoke[1]["phases"]["step_diagnostics"]
     assert diag["after_ready"]["graphs"] == 0 and diag["after_ready"]["graph_breaks"] == 0
     assert diag["after_ready"]["new_shapes"] == []
+    assert diag["after_ready"]["eager_forwards"] == 0   # counted across the engines' forwards
     for method in ("autoregressive", "exspec"):
         steps = diag["engines"][method]
         assert steps["profiled_steps"] > 0
         assert 0 < len(steps["top_ops"]) <= gpu_check.TOP_OPS
         assert steps["top_ops"][0]["self_ms"] >= steps["top_ops"][-1]["self_ms"] > 0
-    assert "## Since READY (must be 0)" in smoke[2]
+    assert "## Since READY (must be 0)" in smoke[2] and "forwards run eagerly" in smoke[2]
 
 
 def test_a_failed_phase_and_a_kill_leave_the_earlier_phases_in_the_report(tmp_path):
