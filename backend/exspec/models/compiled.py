@@ -582,12 +582,11 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | Non
     max_model_len)` they have not met, so that nothing is captured after READY.
     `progress`: a progress bar of the warm-up's steps on stderr (None: where stderr is a
     terminal); each row count's steps also end with a log line, for server logs."""
-    forwards = [runner.decode_forwards[m] for m in (runner.target, *runner.proposer.models)
-                if m in runner.decode_forwards]
+    models = [m for m in (runner.target, *runner.proposer.models) if m in runner.decode_forwards]
+    forwards = [runner.decode_forwards[m] for m in models]
     cuda_graphs = any(f.cuda_graphs for f in forwards)
     rounds = 2 if cuda_graphs else 1
-    static = {m: runner.decode_forwards[m] for m in (runner.target, *runner.proposer.models)
-              if m in runner.decode_forwards and runner.decode_forwards[m].static_shapes}
+    static = {m: f for m, f in zip(models, forwards) if f.static_shapes}
     k = k if runner.proposer.proposes else 0
     shapes = static_shapes(max_rows, k, max_model_len) if static else []
     if static:
