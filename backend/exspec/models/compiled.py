@@ -154,7 +154,11 @@ class CompiledForward:
             self._chunk_out = None              # the current region's output, for its other layers
             self._chunk_inputs: tuple = ()      # and its other layers' inputs
             for index, layer in enumerate(layers):
-                layer.forward = _Region(self, layer, index)
+                region = vars(layer).get("forward")
+                if isinstance(region, _Region):   # another engine's compiled forward of this model
+                    region.owners.append(self)
+                else:
+                    layer.forward = _Region(self, layer, index)
         else:
             self.compiled = torch.compile(model, dynamic=True, backend=COMPILE_BACKEND, **options)
 
@@ -374,9 +378,10 @@ def layer_input(layer, given):
     compiled region of several layers, where a later layer is handed the region's output and its
     own input is what the region recorded."""
     region = vars(layer).get("forward")
-    if not isinstance(region, _Region) or not region.owner.active:
+    owner = region.running() if isinstance(region, _Region) else None
+    if owner is None or not owner.active:
         return given
-    owner, per = region.owner, region.owner.layers_per_region
+    per = owner.layers_per_region
     offset = region.index % per
     return given if offset == 0 else owner._chunk_inputs[offset - 1]
 
@@ -395,16 +400,24 @@ class _Region:
     """A decoder layer's forward: eager unless its model runs a compiled decode forward; then
     the first layer of each region runs the region's layers through the shared compiled function
     (each with the cache argument replaced by its own cache layer), and the region's other layers
-    hand on that output, after checking they were given what the first layer was."""
+    hand on that output, after checking they were given what the first layer was. Engines
+    that share a model (another configuration of its compiled path, a benchmark's cells) each
+    own a CompiledForward of it: the one running a forward is the one it serves."""
 
     def __init__(self, owner: CompiledForward, layer, index: int):
-        self.owner = owner
+        self.owners = [owner]
         self.eager = layer.forward
         self.layer = layer
         self.index = index
 
+    def running(self) -> CompiledForward | None:
+        """The owner whose forward (or probe) is running, if any."""
+        return next((o for o in self.owners if o.active or o._probed is not None), None)
+
     def __call__(self, *args, **kwargs):
-        owner = self.owner
+        owner = self.running()
+        if owner is None:
+            return self.eager(*args, **kwargs)
         if owner._probed is not None:
             out = self.eager(*args, **kwargs)
             owner._probed.append((args, kwargs, out))
