@@ -18,6 +18,7 @@ log = logging.getLogger("exspec")
 
 METHODS = ("exspec", "eqspec", "autoregressive")
 DTYPES = ("float32", "bfloat16", "float16")
+FLEX_ATTENTION = "FLEX_ATTENTION"   # vLLM's name for its FlexAttention backend (attention_backend)
 DEVICE_MAP_POLICIES = ("auto", "balanced", "balanced_low_0", "sequential")
 STREAM_GRANULARITIES = ("token", "step")
 
@@ -119,6 +120,9 @@ class EngineConfig:
                                           # "step" (as vLLM does when it speculates) or per "token"
     enforce_eager: bool = True            # vLLM's meaning: no compiled decode path (compiled.py);
                                           # False compiles the step's forwards before READY
+    attention_backend: str | None = None  # vLLM's name: None reads each row's KV blocks gathered
+                                          # (SDPA); "FLEX_ATTENTION" reads the block store in
+                                          # place in the compiled decode path (kv/in_place.py)
     enable_prefix_caching: bool = True    # vLLM's name: share full KV blocks of common prefixes
                                           # (engine/prefix_caching.py); where the layout can (the block
                                           # store), else off with a line in the load log
@@ -174,6 +178,7 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        self._check_attention_backend()
         if self.draft_stop_confidence not in (None, "auto") and (
                 isinstance(self.draft_stop_confidence, bool)
                 or not isinstance(self.draft_stop_confidence, (int, float))
@@ -188,6 +193,26 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization!r}")
         if self.tick_timeout_s is not None and not self.tick_timeout_s > 0:
             raise ValueError(f"tick_timeout_s must be > 0, got {self.tick_timeout_s!r}")
+
+    def _check_attention_backend(self) -> None:
+        """FLEX_ATTENTION reads the block store in place inside compiled forwards, from a store
+        that never grows (kv/in_place.py): each of those conditions is named when it is not met."""
+        if self.attention_backend is None:
+            return
+        if self.attention_backend != FLEX_ATTENTION:
+            raise ValueError(f"attention_backend must be {FLEX_ATTENTION!r} (the block store read in "
+                             f"place) or unset (each row's blocks gathered for SDPA), got "
+                             f"{self.attention_backend!r}")
+        needs = [why for failed, why in (
+            (self.method != "exspec", "method exspec (the block store; EQSPEC's layout is realigned, "
+                                      "not paged)"),
+            (self.enforce_eager, "enforce_eager false (the read in place is compiled)"),
+            (self.max_num_kv_tokens is None and self.device == "cpu",
+             "max_num_kv_tokens on cpu (a store of fixed size: one that grew would change the "
+             "compiled graphs' shapes; on CUDA the budget sets it)"),
+            (self.device_map is not None, "no device_map (one device)")) if failed]
+        if needs:
+            raise ValueError(f"attention_backend {FLEX_ATTENTION!r} needs " + "; ".join(needs))
 
     def _missing_model(self, declared) -> str:
         """The error of a speculative method without its model: a proposer asked for by name is

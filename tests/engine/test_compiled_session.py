@@ -74,20 +74,26 @@ def session(eos: int, vocab: int, seed: int, count: int):
 
 # inductor (C++ kernels): its lowering may add guards of its own, so the served backend runs the
 # session too; a cold warm-up of the pair takes 1-3 minutes on 2 cores
-@pytest.mark.parametrize("method,backend,proposer", [
-    ("exspec", "eager", "draft_model"), ("eqspec", "eager", "draft_model"),
-    ("exspec", "inductor", "draft_model"),
+@pytest.mark.parametrize("method,backend,proposer,attention_backend", [
+    ("exspec", "eager", "draft_model", None), ("eqspec", "eager", "draft_model", None),
+    ("exspec", "inductor", "draft_model", None),
     # the hybrid: suffix decoding's proposals and the draft's through the same graphs
-    ("exspec", "eager", "draft_model_suffix")])
+    ("exspec", "eager", "draft_model_suffix", None),
+    # the block store read in place (kv/in_place.py): a graph per query width
+    ("exspec", "eager", "draft_model", "FLEX_ATTENTION"),
+    ("exspec", "inductor", "draft_model", "FLEX_ATTENTION")])
 def test_a_random_session_compiles_nothing_after_warm_up(pairs, reference, method, backend, proposer,
-                                                         monkeypatch, caplog):
+                                                         attention_backend, monkeypatch, caplog):
     monkeypatch.setattr(compiled, "COMPILE_BACKEND", backend)
     if proposer == "draft_model_suffix":   # suffix decoding wherever it proposes: rows of both kinds
         from exspec.spec.hybrid import HybridProposer
         monkeypatch.setattr(HybridProposer, "head_expected", lambda self, row, cap: 0.0)
+    in_place = {} if attention_backend is None else dict(attention_backend=attention_backend,
+                                                         max_num_kv_tokens=2 * 6 * 256)
     engine = make_engine(pairs, "llama", "noisy", method=method, max_batch_size=MAX_BATCH,
                          max_num_seqs=6, adaptive_k=True, num_speculative_tokens=4,
-                         max_num_batched_tokens=64, enforce_eager=False, proposer=proposer)
+                         max_num_batched_tokens=64, enforce_eager=False, proposer=proposer,
+                         **in_place)
     assert engine.warm_up.graph_breaks == 0, engine.warm_up.describe()
     before = compile_counts()
     if backend == "inductor":

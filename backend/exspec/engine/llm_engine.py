@@ -156,12 +156,14 @@ class LLMEngine:
         # a graph per concrete shape, each built in the warm-up (CUDA graphs; on a CPU only
         # where compiled.STATIC_SHAPES asks, which the tests do to check the warm-up's coverage)
         static = cuda_graphs or (compiled.STATIC_SHAPES and isinstance(self.runner.kv_layout, BlockStores))
+        in_place = isinstance(self.runner.kv_layout, BlockStores) and self.runner.kv_layout.in_place
         forwards = {}
         models = (self.target, *self.proposer.models)
         for model in models:
-            if (model, cuda_graphs) not in self.pair.decode_forwards:
-                self.pair.decode_forwards[model, cuda_graphs] = compiled.CompiledForward(model, cuda_graphs)
-            forwards[model] = self.pair.decode_forwards[model, cuda_graphs]
+            key = (model, cuda_graphs, in_place)
+            if key not in self.pair.decode_forwards:
+                self.pair.decode_forwards[key] = compiled.CompiledForward(model, cuda_graphs, in_place)
+            forwards[model] = self.pair.decode_forwards[key]
             forwards[model].static_shapes = static
         self.runner.decode_forwards = forwards
         stats, self.runner.stats = self.runner.stats, Stats(model_devices(*models))

@@ -173,7 +173,8 @@ class ModelRunner:
                                    for t, fill in ((ids, self.pad_id), (pos, 0), (valid, False)))
                 if features is not None:
                     features = pad(features, (0, 0, 1, 0))
-        mask = kv.attention_mask(valid, counts, pos, always=forward is not model)
+        in_place = forward is not model and forward.reads_in_place(*ids.shape)
+        mask = kv.attention_mask(valid, counts, pos, always=forward is not model, in_place=in_place)
         inputs = {} if features is None else {"features": features}
         out = forward(input_ids=ids, attention_mask=mask, position_ids=pos,
                       cache=kv.cache, use_cache=True, logits_to_keep=keep, **inputs)

@@ -39,6 +39,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..utils.transfer import Transfers
 from .block_cache import BlockCache
+from .in_place import block_masks
 from .padded import LayerMasks, new_cache
 
 BLOCK_SIZE = 16
@@ -62,7 +63,9 @@ class _Forward:
     """The current forward's indices, shared by every layer of a store: where the new entries
     go (`slots`, [B*q]) and which slots each row reads (`gather`, [B, W]); or, for one row whose
     blocks are consecutive, its `span` (first slot, entries cached, entries after the forward):
-    its entries are then one slice of the buffer, read in place."""
+    its entries are then one slice of the buffer, read in place. With no `gather` and no
+    `span`, every row reads the whole buffer in place (in_place.py: a BlockMask says which
+    slots are its own)."""
 
     def __init__(self):
         self.slots: torch.Tensor | None = None
@@ -73,6 +76,10 @@ class _Forward:
     def bind(self, slots: torch.Tensor | None, gather: torch.Tensor | None,
              span: tuple[int, int, int] | None = None) -> None:
         self.slots, self.gather, self.span, self._copies = slots, gather, span, {}
+
+    @property
+    def in_place(self) -> bool:
+        return self.gather is None and self.span is None
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device == self.slots.device:
@@ -118,11 +125,16 @@ class _BlockLayer(DynamicLayer):
             self.is_initialized = True
         if self.forward.span is not None:
             return self._update_span(key_states, value_states, *self.forward.span)
-        slots, gather = self.forward.on(self.keys.device)
+        if self.forward.in_place:   # the whole buffers, as [1, H, slots, D] views
+            slots, gather = self.forward.slots, None
+        else:
+            slots, gather = self.forward.on(self.keys.device)
         heads = key_states.shape[1]
         self.keys.index_copy_(0, slots, key_states.transpose(1, 2).reshape(-1, heads, key_states.shape[3]))
         self.values.index_copy_(0, slots, value_states.transpose(1, 2).reshape(
             -1, value_states.shape[1], value_states.shape[3]))
+        if gather is None:
+            return self.keys.transpose(0, 1)[None], self.values.transpose(0, 1)[None]
         return _rows_of(self.keys, gather), _rows_of(self.values, gather)
 
     def _update_span(self, key_states, value_states, start: int, cached: int, total: int):
@@ -136,7 +148,9 @@ class _BlockLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         if self.forward.span is not None:   # what HF's own masks count as cached
             return self.forward.span[1]
-        return 0 if self.forward.gather is None else self.forward.gather.shape[1]
+        if self.forward.slots is None:
+            return 0
+        return self.capacity if self.forward.in_place else self.forward.gather.shape[1]
 
     def grow(self, slots: int) -> None:
         extra, self.capacity = slots - self.capacity, slots
@@ -151,8 +165,12 @@ class KVStore:
     its blocks run out (one copy of the buffers, rare)."""
 
     def __init__(self, model, device, num_blocks: int = 64, grows: bool = True,
-                 bucketed: bool = False, prefix=None):
+                 bucketed: bool = False, prefix=None, in_place: bool = False, mask_rows: int = 1):
         self.device = torch.device(device)
+        # compiled forwards read the buffers in place (in_place.py); a store that grew would
+        # change their graphs' shapes, so such a store has a budget and never grows
+        self.in_place = in_place and not grows
+        self.mask_rows = mask_rows   # the rows of what in_place.block_masks' mask function reads
         self.prefix = prefix   # block_cache.BlockCache, or None: caching off
         self.bucketed = bucketed   # table widths in powers of two (few shapes, for compiling)
         self.masks = LayerMasks.of(model)
@@ -279,12 +297,14 @@ class BlockKV:
 
     # -- a forward pass -----------------------------------------------------------------------
     def attention_mask(self, input_valid: torch.Tensor, counts: list[int],
-                       positions: torch.Tensor, always: bool = True) -> torch.Tensor | None:
+                       positions: torch.Tensor, always: bool = True, in_place: bool = False):
         """Room for the forward's tokens, the forward's slots bound for the layers, and its mask.
         input_valid / positions [B, q] on the device (left-padded rows: real tokens last).
         `always` False (eager): one row in consecutive blocks reads its entries in place and
         gets no mask (None: its columns are its positions, so the model's own causal masks are
-        exact, sliding windows included, and HF skips one for a single query)."""
+        exact, sliding windows included, and HF skips one for a single query). `in_place` (a
+        compiled forward that reads its store in place): every row reads the whole buffers,
+        and the masks are BlockMasks (in_place.py)."""
         grew = [t.reserve(self.store, t.length + c) for t, c in zip(self.tables, counts)]
         if not always and self.batch == 1 and counts[0] == input_valid.shape[1]:
             span = self.tables[0].span(counts[0])
@@ -295,6 +315,8 @@ class BlockKV:
                 return None
         if any(grew) or self._table is None:
             self._table = self.device_table()
+        if in_place and self.store.in_place:
+            return self._in_place_masks(input_valid, positions)
         gather, columns = self._columns(self._table)
         # a token's slot is the slot of the column its position names
         slots = torch.where(input_valid, gather.gather(1, positions), SCRATCH_BLOCK * BLOCK_SIZE).reshape(-1)
@@ -302,6 +324,15 @@ class BlockKV:
         # a gathered column's position is its column: later ones (past the row's length,
         # scratch) are hidden by position, and out-of-window ones by their layer's window
         return self.store.masks.build(columns, None, positions)
+
+    def _in_place_masks(self, input_valid: torch.Tensor, positions: torch.Tensor):
+        """A compiled forward's read in place: its slots bound (a token's is its position's
+        slot in its row's block), and the BlockMask of each layer type (in_place.py)."""
+        table, store = self._table, self.store
+        slots = table.gather(1, positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE
+        store.forward.bind(torch.where(input_valid, slots, SCRATCH_BLOCK * BLOCK_SIZE).reshape(-1), None)
+        return block_masks(table, positions, input_valid, store.num_blocks, BLOCK_SIZE,
+                           store.masks.windows, SCRATCH_BLOCK, store.mask_rows)
 
     def _columns(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's slot of every gathered column [B, W] and the columns' positions [W]:
@@ -377,13 +408,15 @@ class BlockStores:
     """The EXSPEC layout's factory: one KVStore per model, new groups' BlockKVs in them."""
 
     def __init__(self, device, max_num_kv_tokens: int | None = None, bucketed: bool = False,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, in_place: bool = False, max_rows: int = 1):
         """`max_num_kv_tokens`: each store's share of the budget (None: no budget, stores
         double as they fill). Under a budget every store takes its whole share when first used
         (its scratch block within it) and never grows: growing by copying would hold twice the
         buffers for a moment, past the budget."""
         self.device = device
         self.bucketed = bucketed   # the compiled path: table widths in powers of two
+        self.in_place = in_place   # compiled forwards read the stores in place (in_place.py)
+        self.max_rows = max_rows   # the most rows a decode forward has (max_batch_size)
         self.prefix_caching = prefix_caching   # each store keeps a block_cache.BlockCache
         self.blocks = None if max_num_kv_tokens is None else max_num_kv_tokens // BLOCK_SIZE
         self.stores: dict[int, KVStore] = {}
@@ -405,6 +438,7 @@ class BlockStores:
         if id(model) not in self.stores:
             self.stores[id(model)] = KVStore(model, self.device, self.blocks or 64,
                                              grows=self.blocks is None, bucketed=self.bucketed,
+                                             in_place=self.in_place, mask_rows=self.max_rows,
                                              prefix=BlockCache(BLOCK_SIZE) if self.prefix_caching else None)
         return self.stores[id(model)]
 

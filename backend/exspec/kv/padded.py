@@ -203,12 +203,14 @@ class PaddedKV:
 
     # -- a forward pass: the mask to pass in, then the bookkeeping after it -------------------
     def attention_mask(self, input_valid: torch.Tensor, counts: list[int],
-                       positions: torch.Tensor, always: bool = False) -> torch.Tensor | dict | None:
+                       positions: torch.Tensor, always: bool = False,
+                       in_place: bool = False) -> torch.Tensor | dict | None:
         """None where no row has padding (the model's own masks are exact, sliding windows
         included: a column is then a position, and HF skips building one where it can); else
         one 4D mask per layer type from the rows' positions (a 2D mask would make HF read it back
         to see whether it is all ones). positions [B, q]: the inputs' positions (I1). `always`:
-        a mask even where none is needed (a compiled forward would compile again for None)."""
+        a mask even where none is needed (a compiled forward would compile again for None).
+        `in_place`: the block store's read in place, which this layout never has."""
         q = input_valid.shape[1]
         keys = torch.cat([self.valid, input_valid], dim=1)                     # [B, W + q]
         if self.mask_2d:

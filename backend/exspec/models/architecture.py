@@ -19,8 +19,11 @@ import torch
 from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
 
+from ..config import FLEX_ATTENTION
 from ..errors import ModelLoadError
 from ..kv.blocks import BlockStores
+from ..kv.in_place import unsupported as unsupported_in_place
+from ..kv.in_place import use_in_place
 from ..kv.padded import LayerMasks, PaddedKV, cache_layer_classes, uses_alibi
 
 log = logging.getLogger("exspec")
@@ -150,7 +153,8 @@ def kv_layout(config, models):
         budget, count = config.max_num_kv_tokens, sum(m is not None for m in models)
         return BlockStores(config.device, None if budget is None else budget // count,
                            bucketed=not config.enforce_eager,
-                           prefix_caching=_prefix_caching(config, models))
+                           prefix_caching=_prefix_caching(config, models),
+                           in_place=_in_place(config, models), max_rows=config.max_batch_size)
     _prefix_caching(config, models)   # says why it is off
     return PaddedKV
 
@@ -175,6 +179,21 @@ def _prefix_caching(config, models) -> bool:
         return True
     log.warning("exspec: enable_prefix_caching is off: %s", why)
     return False
+
+
+def _in_place(config, models) -> bool:
+    """Whether compiled forwards read the block store in place (attention_backend
+    FLEX_ATTENTION, kv/in_place.py): every model's attention switched to the read, or a
+    ModelLoadError naming the model whose attention FlexAttention cannot compute as it does."""
+    if config.attention_backend != FLEX_ATTENTION:
+        return False
+    for model in (m for m in models if m is not None):
+        why = unsupported_in_place(model)
+        if why:
+            raise ModelLoadError(f"attention_backend {FLEX_ATTENTION}: {type(model).__name__} "
+                                 f"cannot be read in place: {why}; unset attention_backend")
+        use_in_place(model)
+    return True
 
 
 def _alibi_from_2d_mask(cfg) -> bool:

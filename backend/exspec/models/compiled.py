@@ -79,7 +79,7 @@ import torch._dynamo.utils
 from tqdm.auto import tqdm
 from transformers.cache_utils import Cache
 
-from ..config import log
+from ..config import FLEX_ATTENTION, log
 from ..errors import ModelLoadError
 from ..kv.blocks import BLOCK_SIZE, table_buckets
 from ..kv.padded import LayerCache
@@ -107,7 +107,7 @@ class CompiledForward:
     # room for a few.
     RECOMPILE_LIMIT = 64
 
-    def __init__(self, model, cuda_graphs: bool = False):
+    def __init__(self, model, cuda_graphs: bool = False, in_place: bool = False):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    self.RECOMPILE_LIMIT)
         # No duck shaping: equal sizes at the first compile (two query tokens and two KV heads,
@@ -125,6 +125,9 @@ class CompiledForward:
         # built run through it, any other runs eagerly (`eager_shapes`), so nothing is
         # captured after READY (warm_up builds every shape a step can take, `static_shapes`)
         self.static_shapes = cuda_graphs
+        # the block store read in place (kv/in_place.py): a graph per query width, each dynamic
+        # in its rows from IN_PLACE_ROWS on, every one built in the warm-up (`shapes_to_build`)
+        self.in_place = in_place
         self.eager_shapes: set[tuple[int, int, int]] = set()
         self.eager_forwards = 0
         self.features: tuple[int, torch.dtype] | None = None   # an EAGLE head's feature input
@@ -140,6 +143,10 @@ class CompiledForward:
         self.regional = layers is not None and not hooked
         self.why_whole = ("its layers' forwards are wrapped by a hook" if hooked
                           else "no repeated decoder layers found")
+        if in_place and not self.regional:
+            raise ModelLoadError(f"attention_backend {FLEX_ATTENTION}: {type(model).__name__} would compile "
+                                 f"whole ({self.why_whole}), and reading its KV in place needs a "
+                                 f"graph per query width of its decoder layers; unset attention_backend")
         # the lm_head runs eagerly between the regions: on a CPU it gets weights packed for
         # small batches, so a k + 1 verification's head costs about one token's (packed_head.py)
         self.packed_head = self.regional and not cuda_graphs and pack_head(model, lambda: self.active)
@@ -172,18 +179,20 @@ class CompiledForward:
                     "one layer per region" + (f" ({self.why_one_per_region})" if self.why_one_per_region else ""))
         wrappers = ", C++ wrappers" if self.cpp_wrapper else ""
         head = ", lm_head packed for small batches (oneDNN)" if self.packed_head else ""
+        in_place = ", KV read in place (FlexAttention, a graph per query width)" if self.in_place else ""
         return (f"{name}: regional, one graph for its {self.layer_class} layers, {grouping}"
-                f"{wrappers}{head}{graphs}")
+                f"{wrappers}{head}{in_place}{graphs}")
 
     def __call__(self, **inputs):
         if not self.warm:
-            self.shapes.add(_shape(inputs))
+            if not self._probing():   # the probe runs eagerly: it builds nothing
+                self.shapes.add(self.key(_shape(inputs)))
             features = inputs.get("features")
             if features is not None:   # its size and dtype, for the warm-up's other shapes
                 self.features = (features.shape[-1], features.dtype)
             return self._forward(inputs)
         graphs, shape = dynamo_counts()["graphs"], _shape(inputs)
-        if self.static_shapes and shape not in self.shapes:
+        if (self.static_shapes or self.in_place) and self.key(shape) not in self.shapes:
             if shape not in self.eager_shapes:
                 log.info("exspec: compiled decode path: %s ran a shape the warm-up did not build "
                          "eagerly (%d rows, %d tokens, %d KV columns): nothing is captured after "
@@ -193,15 +202,47 @@ class CompiledForward:
             return self.model(**inputs)
         out = self._forward(inputs)
         compiled = dynamo_counts()["graphs"] - graphs
-        captured = self.cuda_graphs and shape not in self.shapes
+        captured = self.cuda_graphs and self.key(shape) not in self.shapes
         if compiled or captured:
             what = ", ".join(([f"compiled {compiled} new graph(s)"] if compiled else [])
                              + (["captured its CUDA graphs"] if captured else []))
             log.warning("exspec: compiled decode path: %s met a shape after the warm-up (%d rows, "
                         "%d tokens, %d KV columns) and %s; the requests of this step waited for it",
                         type(self.model).__name__, *shape, what)
-        self.shapes.add(shape)
+        self.shapes.add(self.key(shape))
         return out
+
+    def key(self, shape: tuple[int, int, int]) -> tuple[int, ...]:
+        """The graph a forward of `shape` runs: one per shape with static shapes; reading in
+        place, whatever its KV columns (the whole store's), one per row count and query width,
+        and on a CPU the rows from IN_PLACE_ROWS on share a dynamic one."""
+        rows, tokens, columns = shape
+        if not self.in_place:
+            return shape
+        return (rows, tokens) if self.static_shapes else (min(rows, IN_PLACE_ROWS), tokens)
+
+    def reads_in_place(self, rows: int, tokens: int) -> bool:
+        """Whether a forward of `rows` x `tokens` runs a compiled graph that reads the store
+        in place (its mask is then a BlockMask); the probe and, after the warm-up, a shape
+        it did not build run eagerly and read gathered blocks instead."""
+        return (self.in_place and not self._probing()
+                and (not self.warm or self.key((rows, tokens, 0)) in self.shapes))
+
+    def _probing(self) -> bool:
+        return self.regional and self.layers_per_region is None
+
+    def region(self, hidden: torch.Tensor):
+        """The compiled region function a forward of `hidden` [B, q, ...] calls: the one
+        function, or reading in place one per query width (a code object each, so that
+        automatic dynamic shapes make only their rows symbolic)."""
+        if not self.in_place:
+            return self.compiled
+        width = hidden.shape[1]
+        if width not in self.compiled:
+            code = _own_code(_run_layers, f"_run_layers_{width}_wide")
+            self.compiled[width] = torch.compile(code, dynamic=None, backend=COMPILE_BACKEND,
+                                                 options=self._compile_options)
+        return self.compiled[width]
 
     def _forward(self, inputs):
         if self.cuda_graphs:
@@ -261,8 +302,11 @@ class CompiledForward:
         if "mode" in self._options:   # a mode's inductor options, as torch takes one or the other
             from torch._inductor import list_mode_options
             options.update(list_mode_options(self._options["mode"]))
-        self.compiled = torch.compile(_own_code(_run_layers), dynamic=True, backend=COMPILE_BACKEND,
-                                      options=options)
+        self._compile_options = options
+        # reading in place, inductor's CPU FlexAttention template builds only with the query
+        # width static (kv/in_place.py): a function per width, made at its first forward
+        self.compiled = {} if self.in_place else torch.compile(
+            _own_code(_run_layers), dynamic=True, backend=COMPILE_BACKEND, options=options)
         self.template, self.tensor_names = _template_of(self.layers[0])
         per = self.layers_per_region
         # each region's tensors, collected once (the engine never moves a loaded model): read
@@ -277,11 +321,12 @@ class CompiledForward:
                     torch._dynamo.mark_static_address(tensor, guard=False)
 
 
-def _own_code(fn):
+def _own_code(fn, name: str | None = None):
     """`fn` with a code object of its own: Dynamo keeps compiled code, and its guards, per code
-    object."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                              fn.__closure__)
+    object. `name`: its own name too, where it must not share what Dynamo remembers by (file,
+    line, name): which sizes automatic dynamic shapes made symbolic."""
+    code = fn.__code__.replace(co_name=name) if name else fn.__code__.replace()
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _not_on_modules(guards) -> list[bool]:
@@ -434,8 +479,9 @@ class _Region:
             return out
         cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, Cache)), None)
         caches = tuple(self._own(cache, first + j) for j in range(per))
-        out, inputs = owner.compiled(owner.template, owner.tensor_names, owner.region_tensors[first],
-                                     caches, args, kwargs)
+        hidden = args[0] if args else kwargs["hidden_states"]
+        out, inputs = owner.region(hidden)(owner.template, owner.tensor_names,
+                                           owner.region_tensors[first], caches, args, kwargs)
         if per > 1:
             owner._chunk_out = (args, kwargs, out)
             owner._chunk_inputs = inputs
@@ -523,6 +569,10 @@ class WarmUp:
 # The row counts the warm-up steps: torch specialises 1 and keeps any other count symbolic, so
 # these two are every graph a batch size can need (CUDA graphs: see CompiledForward.__call__).
 WARM_UP_ROWS = (1, 2)
+# reading in place, a width's graph is compiled for 1 row (torch specialises a size of 1), then
+# for 2 with its rows symbolic (automatic dynamic shapes: the rows changed), which every larger
+# batch reuses
+IN_PLACE_ROWS = 2
 
 
 def warm_up_schedule(k: int) -> list[int]:
@@ -533,15 +583,32 @@ def warm_up_schedule(k: int) -> list[int]:
     return [k, 0, k, 0, 0, 0, k] if k > 0 else [0, 0]
 
 
-def static_shapes(max_rows: int, k: int, max_model_len: int) -> list[tuple[int, int, int]]:
+def static_shapes(max_rows: int, k: int, max_model_len: int,
+                  store_slots: int | None = None) -> list[tuple[int, int, int]]:
     """Every (rows, tokens, KV columns) a decode forward on the block store can take, in the
     order the warm-up builds them: rows 1 .. max_rows (not padded to buckets: a capture costs no
     compile), widths 2 .. k + 1 (a one-token forward is fed as two; a proposer's catch-up after
     more plain steps than that is wider, and runs eagerly), and every block-table bucket up to
-    max_model_len (verification never reaches past it)."""
+    max_model_len (verification never reaches past it). Read in place (`store_slots`: the
+    store's size), every forward's KV columns are the whole store's."""
     widths = range(2, max(2, k + 1) + 1)
-    return [(rows, width, blocks * BLOCK_SIZE) for rows in range(1, max_rows + 1)
-            for blocks in table_buckets(max_model_len) for width in widths]
+    columns = ([blocks * BLOCK_SIZE for blocks in table_buckets(max_model_len)]
+               if store_slots is None else [store_slots])
+    return [(rows, width, column) for rows in range(1, max_rows + 1)
+            for column in columns for width in widths]
+
+
+def shapes_to_build(forward: CompiledForward, store, max_rows: int, k: int,
+                    max_model_len: int) -> list[tuple[int, int, int]]:
+    """The shapes the warm-up builds for `forward` after its schedule: with static shapes
+    every one (`static_shapes`); reading in place on a CPU each width at 1 .. IN_PLACE_ROWS
+    rows (`CompiledForward.key`); else none (symbolic graphs cover every shape)."""
+    slots = store.num_blocks * BLOCK_SIZE if forward.in_place else None
+    if forward.static_shapes:
+        return static_shapes(max_rows, k, max_model_len, slots)
+    if forward.in_place:
+        return static_shapes(min(max_rows, IN_PLACE_ROWS), k, max_model_len, slots)
+    return []
 
 
 @torch.inference_mode()   # as the runner's steps
@@ -568,17 +635,17 @@ def _shape_forward(runner, model, forward: CompiledForward, shape: tuple[int, in
         kv.select([])
 
 
-def _build_static_shapes(runner, forwards: dict, shapes: list, rounds: int, bar) -> None:
-    """Run each static-shape forward at every shape of `shapes` it has not met (`rounds` times:
-    a cudagraph tree captures at a shape's second call); then every one must be built, or the
+def _build_static_shapes(runner, forwards: dict, shapes: dict, rounds: int, bar) -> None:
+    """Run each forward at every shape of `shapes[model]` it has not met (`rounds` times: a
+    cudagraph tree captures at a shape's second call); then every one must be built, or the
     engine does not load."""
     for model, forward in forwards.items():
-        for shape in shapes:
-            if shape not in forward.shapes:
+        for shape in shapes[model]:
+            if forward.key(shape) not in forward.shapes:
                 for _ in range(rounds):
                     _shape_forward(runner, model, forward, shape)
             bar.update()
-        missing = [s for s in shapes if s not in forward.shapes]
+        missing = [s for s in shapes[model] if forward.key(s) not in forward.shapes]
         if missing:
             raise ModelLoadError(
                 f"compiled decode path: the warm-up did not build {type(model).__name__}'s graph for "
@@ -599,13 +666,16 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | Non
     forwards = [runner.decode_forwards[m] for m in models]
     cuda_graphs = any(f.cuda_graphs for f in forwards)
     rounds = 2 if cuda_graphs else 1
-    static = {m: f for m, f in zip(models, forwards) if f.static_shapes}
     k = k if runner.proposer.proposes else 0
-    shapes = static_shapes(max_rows, k, max_model_len) if static else []
-    if static:
-        log.info("exspec: warm-up: %d decode shapes per static-shape model (rows 1..%d x widths "
-                 "2..%d x %d KV buckets up to %d tokens)", len(shapes), max_rows, max(2, k + 1),
-                 len(table_buckets(max_model_len)), max_model_len)
+    shapes = {m: shapes_to_build(f, runner.kv_layout.store(m) if f.in_place else None,
+                                 max_rows, k, max_model_len) for m, f in zip(models, forwards)}
+    static = {m: f for m, f in zip(models, forwards) if shapes[m]}
+    for model, forward in static.items():
+        rows, widths, columns = (sorted({s[i] for s in shapes[model]}) for i in range(3))
+        log.info("exspec: warm-up: %s: %d decode shapes to build (rows %d..%d x widths %d..%d x "
+                 "%s)", type(model).__name__, len(shapes[model]), rows[0], rows[-1], widths[0],
+                 widths[-1], f"{len(columns)} KV buckets up to {max_model_len} tokens"
+                 if not forward.in_place else f"the whole store's {columns[0]} KV slots, read in place")
     for forward in forwards:   # compiling now is the point (a pair's forwards serve each engine built on it)
         forward.warm = False
     inductor = COMPILE_BACKEND == "inductor"
@@ -614,7 +684,7 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | Non
     skips_before = cuda_graph_counts()["skips"] if cuda_graphs else 0
     params = SamplingParams(max_tokens=8 * (k + 1) * rounds, ignore_eos=True)   # never finishes here
     schedule = warm_up_schedule(k) * rounds
-    bar = tqdm(total=len(WARM_UP_ROWS) * len(schedule) + len(static) * len(shapes), unit="step",
+    bar = tqdm(total=len(WARM_UP_ROWS) * len(schedule) + sum(map(len, shapes.values())), unit="step",
                disable=_no_bar(progress), desc="exspec: compiling the decode path (warm-up)")
     with bar:
         for batch in WARM_UP_ROWS:   # whole rounds (no draft stop): the k + 1 verification too
