@@ -104,8 +104,8 @@ def test_chunk_masks_grow_with_the_chunk_not_the_prompt(pairs, reference, monkey
     shapes = []
     original = kv_blocks.BlockKV.attention_mask
 
-    def recorded(self, input_valid, counts, positions, always=True):
-        mask = original(self, input_valid, counts, positions, always)
+    def recorded(self, input_valid, counts, positions, always=True, in_place=False):
+        mask = original(self, input_valid, counts, positions, always, in_place)
         span = self.store.forward.span
         shapes.append(tuple(mask.shape) if mask is not None else (1, 1, input_valid.shape[1], span[2]))
         return mask
