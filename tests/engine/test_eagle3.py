@@ -127,19 +127,22 @@ def test_unrolled_training_steps_are_the_heads_own_drafting():
     assert torch.isinf(steps[0][..., 1::2]).all() and not torch.isinf(steps[0][..., 0::2]).any()
 
 
-@pytest.mark.parametrize("compiled_path", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("method", ["eqspec", "exspec"])
-def test_the_engine_drafts_what_the_head_computes_offline(deep, monkeypatch, method, compiled_path):
+@pytest.mark.parametrize("method,path", [
+    ("eqspec", "eager"), ("eqspec", "compiled"), ("exspec", "eager"), ("exspec", "compiled"),
+    ("exspec", "in_place")])   # the block store read in place (kv/in_place.py)
+def test_the_engine_drafts_what_the_head_computes_offline(deep, monkeypatch, method, path):
     """At k = 1 a step's one draft is the head's step-0 prediction at the pending token: the
     engine keeps exactly the drafts the offline one-pass computation (the training code, on the
     whole finished sequence) agrees with the target on. A feature taken from the wrong position,
     or a layer input from the wrong layer, would still be exact, and this count would differ."""
     monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
     root, _, head_dir, prompts = deep
+    in_place = dict(attention_backend="FLEX_ATTENTION", max_num_kv_tokens=8192) if path == "in_place" else {}
     engine = LLMEngine(EngineConfig(target_model=str(root / "target"), draft_model=head_dir,
                                     proposer="eagle3", method=method, num_speculative_tokens=1,
                                     adaptive_k=False, max_batch_size=1,
-                                    enforce_eager=not compiled_path))
+                                    enforce_eager=path == "eager", **in_place))
+    assert all(f.in_place == (path == "in_place") for f in engine.runner.decode_forwards.values())
     prompts = prompts[:6]
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     target = engine.target
