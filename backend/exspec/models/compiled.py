@@ -81,7 +81,7 @@ from transformers.cache_utils import Cache
 
 from ..config import FLEX_ATTENTION, log
 from ..errors import ModelLoadError
-from ..kv.blocks import BLOCK_SIZE, table_buckets
+from ..kv.blocks import BLOCK_SIZE, table_bucket, table_buckets
 from ..kv.padded import LayerCache
 from ..params import SamplingParams
 from .packed_head import pack_head
@@ -615,12 +615,15 @@ def shapes_to_build(forward: CompiledForward, store, max_rows: int, k: int,
 def _shape_forward(runner, model, forward: CompiledForward, shape: tuple[int, int, int]) -> None:
     """One decode forward of `shape` on the block store, for the warm-up: `rows` new rows of
     `width` pad tokens, each in a block of its own, their table padded with the scratch block to
-    the shape's KV columns (the mask hides those); the blocks go back to the store after."""
+    the shape's KV columns (the mask hides those); the blocks go back to the store after. Read
+    in place, the columns are the whole store's whatever the table, so the table stays its
+    narrowest bucket (a GPU store's width would be ~1e5 host ints a row, per shape)."""
     rows, width, columns = shape
     kv = runner.kv_layout.empty(model, rows, runner.device)
     for table in kv.tables:
         table.reserve(kv.store, width)
-    kv.use_table(kv.store.transfers.to_device(torch.tensor(kv.padded_table(columns // BLOCK_SIZE))))
+    blocks = table_bucket(kv.store.units_for(width)) if forward.in_place else columns // BLOCK_SIZE
+    kv.use_table(kv.store.transfers.to_device(torch.tensor(kv.padded_table(blocks))))
     device = runner.device
     ids = torch.full((rows, width), runner.pad_id, device=device)
     pos = torch.arange(width, device=device).repeat(rows, 1)
