@@ -163,7 +163,7 @@ def test_a_one_token_prompt_alone_compiles_nothing_after_warm_up(pairs, referenc
     assert out.token_ids == reference(pairs["llama", "target"], prompt, 8)
 
 
-def static_session(pairs, reference, proposer, monkeypatch, caplog):
+def static_session(pairs, reference, proposer, monkeypatch, caplog, attention_backend=None):
     """A random session on the compiled path with static shapes (the eager backend): the
     engine, after it checked every output against the target alone."""
     monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
@@ -171,9 +171,12 @@ def static_session(pairs, reference, proposer, monkeypatch, caplog):
     if proposer == "draft_model_suffix":
         from exspec.spec.hybrid import HybridProposer
         monkeypatch.setattr(HybridProposer, "head_expected", lambda self, row, cap: 0.0)
+    in_place = {} if attention_backend is None else dict(attention_backend=attention_backend,
+                                                         max_num_kv_tokens=2 * 6 * 256)
     engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=MAX_BATCH,
                          max_num_seqs=6, adaptive_k=True, num_speculative_tokens=K,
-                         max_num_batched_tokens=64, enforce_eager=False, proposer=proposer)
+                         max_num_batched_tokens=64, enforce_eager=False, proposer=proposer,
+                         **in_place)
     before = compile_counts()
     arrivals, aborts, params, prompts = session(pairs["llama", "eos"], len(engine.tokenizer), seed=7, count=24)
     with caplog.at_level(logging.INFO, logger="exspec"):
@@ -193,19 +196,27 @@ def static_session(pairs, reference, proposer, monkeypatch, caplog):
 K = 4
 
 
-@pytest.mark.parametrize("proposer", ["draft_model", "draft_model_suffix"])
+@pytest.mark.parametrize("proposer,attention_backend", [
+    ("draft_model", None), ("draft_model_suffix", None),
+    ("draft_model", "FLEX_ATTENTION")])   # CUDA graphs reading in place: pad rows in the BlockMask
 def test_with_static_shapes_a_random_session_meets_only_shapes_the_warm_up_built(
-        pairs, reference, proposer, monkeypatch, caplog):
+        pairs, reference, proposer, attention_backend, monkeypatch, caplog):
     """CUDA graphs' rule on the CPU: a graph per concrete (rows, tokens, KV columns), every one
     built in the warm-up, any other run eagerly. In a random session (every row count, plain and
     speculative steps of every width, contexts crossing table buckets) the target runs only
     shapes the warm-up built, and the draft only those and its catch-up forwards wider than
     k + 1 (after plain steps), so on a GPU nothing would be captured after READY; outputs exact."""
-    engine = static_session(pairs, reference, proposer, monkeypatch, caplog)
+    engine = static_session(pairs, reference, proposer, monkeypatch, caplog, attention_backend)
     target = engine.runner.decode_forwards[engine.target]
-    shapes = compiled.static_shapes(MAX_BATCH, K, engine.max_model_len)
-    assert len(shapes) == MAX_BATCH * K * len({c for _, _, c in shapes}) and max(c for _, _, c in shapes) >= 256
-    assert all(f.static_shapes and f.shapes >= set(shapes) for f in engine.runner.decode_forwards.values())
+    slots = engine.runner.kv_layout.store(engine.target).num_blocks * 16 if attention_backend else None
+    shapes = compiled.static_shapes(MAX_BATCH, K, engine.max_model_len, slots)
+    # rows in buckets: 3 rows run as 4 (a pad row), so no 3-row graph is built
+    assert {r for r, _, _ in shapes} == {1, 2, 4}
+    assert len(shapes) == 3 * K * len({c for _, _, c in shapes})
+    assert attention_backend or max(c for _, _, c in shapes) >= 256
+    for forward in engine.runner.decode_forwards.values():
+        assert forward.static_shapes and forward.in_place == bool(attention_backend)
+        assert forward.shapes >= {forward.key(s) for s in shapes}
     assert target.eager_forwards == 0, sorted(target.eager_shapes)
     draft = engine.runner.decode_forwards[engine.proposer.models[0]]
     assert all(width > K + 1 for _, width, _ in draft.eager_shapes), sorted(draft.eager_shapes)
@@ -214,13 +225,14 @@ def test_with_static_shapes_a_random_session_meets_only_shapes_the_warm_up_built
 
 
 def test_a_shape_the_static_warm_up_left_out_runs_eagerly_and_exactly(pairs, reference, monkeypatch, caplog):
-    """Negative control: a warm-up that leaves out three-row shapes; the session's three-row
-    forwards then run eagerly (logged, counted), and every output is still exact."""
+    """Negative control: a warm-up that leaves out the four-row bucket; the session's three-
+    and four-row forwards (both padded to four rows) then run eagerly (logged, counted), and
+    every output is still exact."""
     full = compiled.static_shapes
-    monkeypatch.setattr(compiled, "static_shapes", lambda *a: [s for s in full(*a) if s[0] != 3])
+    monkeypatch.setattr(compiled, "static_shapes", lambda *a: [s for s in full(*a) if s[0] != 4])
     engine = static_session(pairs, reference, "draft_model", monkeypatch, caplog)
     target = engine.runner.decode_forwards[engine.target]
-    assert target.eager_forwards > 0 and {rows for rows, _, _ in target.eager_shapes} == {3}
+    assert target.eager_forwards > 0 and {rows for rows, _, _ in target.eager_shapes} == {4}
     assert [r for r in caplog.records if "did not build" in r.getMessage()]
 
 

@@ -4,7 +4,7 @@ import torch
 
 from exspec.demo.tiny import llama
 from exspec.kv.padded import FULL_ATTENTION
-from exspec.kv.blocks import BLOCK_SIZE, BlockStores
+from exspec.kv.blocks import BLOCK_SIZE, BlockStores, row_bucket, row_buckets
 
 
 def prefill(kv, model, lengths):
@@ -141,3 +141,12 @@ def test_rows_get_consecutive_blocks_where_the_store_has_room():
     assert third.blocks == [1, 2] and third.span(1) is not None
     third.reserve(store, 3 * BLOCK_SIZE)      # 3 is taken: the lowest free instead
     assert third.blocks == [1, 2, 6] and third.span(1) is None
+
+
+def test_rows_go_in_few_buckets_each_at_least_the_rows_and_built_by_the_warm_up():
+    """Static shapes (CUDA graphs) capture a graph per row bucket, not per row count: 11
+    buckets for 64 rows (1, 2, 4, 8, 16, ..., 64) where there were 64 captures per shape."""
+    assert row_buckets(64) == [1, 2, 4] + list(range(8, 65, 8))
+    assert len(row_buckets(256)) == 35 and row_buckets(6) == [1, 2, 4, 8]
+    for rows in range(1, 300):
+        assert rows <= row_bucket(rows) <= max(rows + 7, 4) and row_bucket(rows) in row_buckets(rows)

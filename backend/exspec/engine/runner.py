@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv.blocks import row_bucket
 from ..kv.padded import PaddedKV
 from ..sampling.logits_processing import RowProcessing, processes_logits
 from ..sampling.logprobs import token_logprobs
@@ -173,13 +174,22 @@ class ModelRunner:
                                    for t, fill in ((ids, self.pad_id), (pos, 0), (valid, False)))
                 if features is not None:
                     features = pad(features, (0, 0, 1, 0))
+        rows = padded = ids.shape[0]
+        if forward is not model and forward.static_shapes:
+            # a graph per row bucket, not per row count (CUDA graphs): pad rows of pad tokens,
+            # invalid, so that they read and write only the scratch block; their outputs dropped
+            padded = row_bucket(rows)
+            if padded > rows:
+                ids, pos, valid = (_pad_rows(t, padded, fill)
+                                   for t, fill in ((ids, self.pad_id), (pos, 0), (valid, False)))
+                features = None if features is None else _pad_rows(features, padded, 0)
         in_place = forward is not model and forward.reads_in_place(*ids.shape)
         mask = kv.attention_mask(valid, counts, pos, always=forward is not model, in_place=in_place)
         inputs = {} if features is None else {"features": features}
         out = forward(input_ids=ids, attention_mask=mask, position_ids=pos,
                       cache=kv.cache, use_cache=True, logits_to_keep=keep, **inputs)
-        kv.appended(valid, counts)
-        return out
+        kv.appended(valid[:rows], counts)
+        return out if padded == rows else _first_rows(out, rows, padded)
 
     def _noise(self, rows: RowSampling, first: torch.Tensor, count: int) -> torch.Tensor | None:
         """[B, count, V] Gumbel noise of each row's positions first .. first+count-1 (`first` [B],
@@ -496,6 +506,21 @@ class ModelRunner:
             s.add("draft_tokens", sum(verified))
             s.add("accepted_tokens", sum(accepted))
             s.add_depths(verified, accepted)
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int, fill) -> torch.Tensor:
+    """`tensor` [B, ...] with rows of `fill` after its own, `rows` in all."""
+    return torch.nn.functional.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, rows - tensor.shape[0]), value=fill)
+
+
+def _first_rows(out, rows: int, padded: int):
+    """A forward's output (a transformers ModelOutput, or an EAGLE head's) with its tensors of
+    `padded` rows cut to their first `rows`: a static-shape forward's pad rows dropped."""
+    for name in list(out.keys() if hasattr(out, "keys") else vars(out)):
+        value = getattr(out, name)
+        if torch.is_tensor(value) and value.dim() and value.shape[0] == padded:
+            setattr(out, name, value[:rows])
+    return out
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:

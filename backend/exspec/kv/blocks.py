@@ -52,6 +52,18 @@ def table_bucket(blocks: int) -> int:
     return 1 << (max(2, blocks) - 1).bit_length()
 
 
+def row_bucket(rows: int) -> int:
+    """The rows a forward with static shapes (CUDA graphs) runs for `rows` real ones: 1, 2, 4,
+    then multiples of 8 (vLLM's capture sizes), the rest pad rows. A graph per row count would
+    be max_batch_size captures per width and table bucket, each a forward's time in the warm-up."""
+    return 1 << (rows - 1).bit_length() if rows <= 4 else -(-rows // 8) * 8
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every `row_bucket` up to max_rows'."""
+    return sorted({row_bucket(rows) for rows in range(1, max_rows + 1)})
+
+
 def table_buckets(max_tokens: int) -> list[int]:
     """Every block-table width a compiled path meets for rows of at most `max_tokens` entries
     (2, 4, ... up to the bucket of max_tokens)."""
@@ -278,6 +290,7 @@ class BlockKV:
         self.tables = tables
         self._table: torch.Tensor | None = None   # the device block table, rebuilt on change
         self._columns_of: torch.Tensor | None = None   # the table `_columns` was made from
+        self._padded: tuple | None = None   # (table, it with pad rows): `_with_rows`'s last
 
     @property
     def cache(self):
@@ -304,7 +317,8 @@ class BlockKV:
         gets no mask (None: its columns are its positions, so the model's own causal masks are
         exact, sliding windows included, and HF skips one for a single query). `in_place` (a
         compiled forward that reads its store in place): every row reads the whole buffers,
-        and the masks are BlockMasks (in_place.py)."""
+        and the masks are BlockMasks (in_place.py). Rows of input_valid past the group's are
+        pad rows (`row_bucket`): they read and write only the scratch block."""
         grew = [t.reserve(self.store, t.length + c) for t, c in zip(self.tables, counts)]
         if not always and self.batch == 1 and counts[0] == input_valid.shape[1]:
             span = self.tables[0].span(counts[0])
@@ -315,9 +329,10 @@ class BlockKV:
                 return None
         if any(grew) or self._table is None:
             self._table = self.device_table()
+        table = self._with_rows(self._table, input_valid.shape[0])
         if in_place and self.store.in_place:
-            return self._in_place_masks(input_valid, positions)
-        gather, columns = self._columns(self._table)
+            return self._in_place_masks(table, input_valid, positions)
+        gather, columns = self._columns(table)
         # a token's slot is the slot of the column its position names
         slots = torch.where(input_valid, gather.gather(1, positions), SCRATCH_BLOCK * BLOCK_SIZE).reshape(-1)
         self.store.forward.bind(slots, gather)
@@ -325,10 +340,20 @@ class BlockKV:
         # scratch) are hidden by position, and out-of-window ones by their layer's window
         return self.store.masks.build(columns, None, positions)
 
-    def _in_place_masks(self, input_valid: torch.Tensor, positions: torch.Tensor):
+    def _with_rows(self, table: torch.Tensor, rows: int) -> torch.Tensor:
+        """`table` with scratch rows up to `rows` (a static-shape forward's pad rows), made
+        once per table and row count."""
+        if rows == table.shape[0]:
+            return table
+        if self._padded is None or self._padded[0] is not table or self._padded[1].shape[0] != rows:
+            padded = torch.nn.functional.pad(table, (0, 0, 0, rows - table.shape[0]), value=SCRATCH_BLOCK)
+            self._padded = (table, padded)
+        return self._padded[1]
+
+    def _in_place_masks(self, table: torch.Tensor, input_valid: torch.Tensor, positions: torch.Tensor):
         """A compiled forward's read in place: its slots bound (a token's is its position's
         slot in its row's block), and the BlockMask of each layer type (in_place.py)."""
-        table, store = self._table, self.store
+        store = self.store
         slots = table.gather(1, positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE
         store.forward.bind(torch.where(input_valid, slots, SCRATCH_BLOCK * BLOCK_SIZE).reshape(-1), None)
         return block_masks(table, positions, input_valid, store.num_blocks, BLOCK_SIZE,
@@ -416,7 +441,8 @@ class BlockStores:
         self.device = device
         self.bucketed = bucketed   # the compiled path: table widths in powers of two
         self.in_place = in_place   # compiled forwards read the stores in place (in_place.py)
-        self.max_rows = max_rows   # the most rows a decode forward has (max_batch_size)
+        # the most rows a decode forward has: max_batch_size's, with static shapes' pad rows
+        self.max_rows = row_bucket(max_rows)
         self.prefix_caching = prefix_caching   # each store keeps a block_cache.BlockCache
         self.blocks = None if max_num_kv_tokens is None else max_num_kv_tokens // BLOCK_SIZE
         self.stores: dict[int, KVStore] = {}

@@ -55,13 +55,14 @@ refuses to load if any graph was skipped or none captured (`cuda_graph_counts`).
 
 Static shapes, so that nothing is captured after READY: a CUDA graph is per concrete (rows,
 tokens, KV columns), so after its schedule the warm-up runs every shape a decode forward on the
-block store can take that it has not met (`static_shapes`: rows 1 .. max_batch_size, not padded
-to buckets since a capture costs no compile; widths 2 .. k + 1; every table bucket up to
+block store can take that it has not met (`static_shapes`: rows in buckets, 1, 2, 4, then
+multiples of 8, a forward of other rows padded with pad rows by the runner, since each capture
+costs a forward in the warm-up; widths 2 .. k + 1; every table bucket up to
 max_model_len), each as one forward of new rows in a block of their own whose table is padded
 with the scratch block to the bucket; the engine refuses to load if one is missing. After READY
 a forward of any other shape runs eagerly, logged once per shape: only a proposer's catch-up
-forward (a draft's, an EAGLE head's) after more than k plain steps is wider than k + 1. Their count grows with max_batch_size
-x log2(max_model_len), hence max_model_len is worth setting to what a deployment needs. On a CPU
+forward (a draft's, an EAGLE head's) after more than k plain steps is wider than k + 1. Their
+count grows with max_batch_size / 8 x log2(max_model_len), hence max_model_len is worth setting to what a deployment needs. On a CPU
 `STATIC_SHAPES` turns the same rule on (tests/engine/test_compiled_session.py checks that a random
 session meets no shape the warm-up did not build).
 """
@@ -81,7 +82,7 @@ from transformers.cache_utils import Cache
 
 from ..config import FLEX_ATTENTION, log
 from ..errors import ModelLoadError
-from ..kv.blocks import BLOCK_SIZE, table_bucket, table_buckets
+from ..kv.blocks import BLOCK_SIZE, row_buckets, table_bucket, table_buckets
 from ..kv.padded import LayerCache
 from ..params import SamplingParams
 from .packed_head import pack_head
@@ -586,15 +587,16 @@ def warm_up_schedule(k: int) -> list[int]:
 def static_shapes(max_rows: int, k: int, max_model_len: int,
                   store_slots: int | None = None) -> list[tuple[int, int, int]]:
     """Every (rows, tokens, KV columns) a decode forward on the block store can take, in the
-    order the warm-up builds them: rows 1 .. max_rows (not padded to buckets: a capture costs no
-    compile), widths 2 .. k + 1 (a one-token forward is fed as two; a proposer's catch-up after
-    more plain steps than that is wider, and runs eagerly), and every block-table bucket up to
+    order the warm-up builds them: the row buckets up to max_rows' (`row_bucket`: a forward of
+    other rows runs padded to its bucket), widths 2 .. k + 1 (a one-token forward is fed as
+    two; a proposer's catch-up after more plain steps than that is wider, and runs eagerly),
+    and every block-table bucket up to
     max_model_len (verification never reaches past it). Read in place (`store_slots`: the
     store's size), every forward's KV columns are the whole store's."""
     widths = range(2, max(2, k + 1) + 1)
     columns = ([blocks * BLOCK_SIZE for blocks in table_buckets(max_model_len)]
                if store_slots is None else [store_slots])
-    return [(rows, width, column) for rows in range(1, max_rows + 1)
+    return [(rows, width, column) for rows in row_buckets(max_rows)
             for column in columns for width in widths]
 
 

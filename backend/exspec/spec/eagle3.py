@@ -182,9 +182,10 @@ class Eagle3Proposer(DraftModelProposer):
     def new_state(self, layout, batch: int, device) -> HeadState:
         return HeadState.empty(layout.empty(self.model, batch, device), self.model, batch, device)
 
-    def _target_features(self) -> torch.Tensor:
-        """The features of the target's last forward, every position's."""
-        return self.model.project(self.layer_inputs.take())
+    def _target_features(self, rows: int | None = None) -> torch.Tensor:
+        """The features of the target's last forward, every position's, of its first `rows`
+        rows (a forward with static shapes runs pad rows after the group's)."""
+        return self.model.project([inputs[:rows] for inputs in self.layer_inputs.take()])
 
     def _forward(self, runner: Runner, kv, ids, pos, valid, counts, decode: bool = True):
         out = runner.forward_output(self.model, kv, ids, pos, valid, counts, keep=1, decode=decode,
@@ -219,7 +220,7 @@ class Eagle3Proposer(DraftModelProposer):
 
     def commit(self, state: HeadState, width: int, accepted: list[int], kept: torch.Tensor) -> None:
         # the last width + 1 columns: a compiled one-token forward is fed a pad first
-        verified = self._target_features()[:, -(width + 1):]
+        verified = self._target_features(len(accepted))[:, -(width + 1):]
         self._feature = None
         if width == 0:
             state.append(verified)
@@ -233,4 +234,4 @@ class Eagle3Proposer(DraftModelProposer):
                          kept: torch.Tensor) -> None:
         """A step verified drafts it did not make (a hybrid's all-suffix step): its cache holds
         what it held; the buffer takes the kept positions' features after its own."""
-        state.extend_verified(self._target_features()[:, -(width + 1):], kept, accepted)
+        state.extend_verified(self._target_features(len(accepted))[:, -(width + 1):], kept, accepted)
