@@ -276,10 +276,12 @@ def test_eagle3_methods_report_acceptance_by_position_and_the_heads_cost(bench_i
         main(args + ["--methods", "exspec_eagle3", "--out", str(root / "none")])
 
 
-def test_both_decode_paths_in_one_run(bench_inputs, monkeypatch):
-    """--paths eager,compiled: every engine cell on both paths, per-forward costs of both models
-    on both paths at B = 1 and 8, and each compiled engine's warm-up (graphs, seconds). The
-    "eager" compile backend keeps C++ out of the test (Dynamo's graphs are the same)."""
+def test_every_decode_path_in_one_run(bench_inputs, monkeypatch):
+    """--paths eager,compiled,in_place: every engine cell on the first two, the exspec ones on
+    the read in place too (the others cannot read a block store), each exact; per-forward costs
+    of both models on both paths at B = 1 and 8, and each compiled engine's warm-up (graphs,
+    seconds). The "eager" compile backend keeps C++ out of the test (Dynamo's graphs are the
+    same)."""
     import torch
 
     from exspec.models import compiled
@@ -289,7 +291,7 @@ def test_both_decode_paths_in_one_run(bench_inputs, monkeypatch):
     out = root / "paths"
     args = [a if a != "1,2" else "1" for a in args]
     assert main(args + ["--max-tokens", "4", "--methods", "autoregressive,exspec",
-                        "--paths", "eager,compiled", "--compile-backend", "eager",
+                        "--paths", "eager,compiled,in_place", "--compile-backend", "eager",
                         "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     check_schema(results)
@@ -297,7 +299,10 @@ def test_both_decode_paths_in_one_run(bench_inputs, monkeypatch):
     cells = {(c["method"], c["adaptive_k"], c["path"]) for c in results["cells"]}
     for path in ("eager", "compiled"):
         assert {("autoregressive", None, path), ("exspec", True, path), ("exspec", False, path)} <= cells
-        assert all(c["exact_match_share"] == 1.0 for c in results["cells"]), "a path changed tokens"
+    assert {("exspec", True, "in_place"), ("exspec", False, "in_place")} <= cells
+    assert ("autoregressive", None, "in_place") not in cells
+    assert all(c["exact_match_share"] == 1.0 for c in results["cells"]), "a path changed tokens"
+    assert "exspec (adaptive k≤3, compiled, KV read in place)" in (out / "results.md").read_text()
     costs = {(r["model"], r["batch_size"]) for r in results["paths"]["forward_ms"]}
     assert costs == {("draft", 1), ("draft", 8), ("target", 1), ("target", 8)}
     assert all(r["eager_ms"] > 0 and r["compiled_ms"] > 0 for r in results["paths"]["forward_ms"])
@@ -462,6 +467,8 @@ BAD_FLAGS = {   # case: (the prompts file's text or None for none, flags, words 
     "out a file": (PROMPT, ["--out", "p.jsonl"], "--out p.jsonl is a file; give a folder path"),
     "unknown compile backend": (PROMPT, ["--paths", "compiled", "--compile-backend", "fast"],
                                 "--compile-backend 'fast': not a torch.compile backend"),
+    "read in place, no exspec method": (PROMPT, ["--paths", "in_place", "--methods", "autoregressive,eqspec"],
+                                        "--paths in_place reads EXSPEC's block store: add an exspec method"),
 }
 # one case of each kind runs the real command in a process of its own (~10 s each on a busy
 # CPU); the others call its main() here, the same code

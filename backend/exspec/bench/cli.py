@@ -49,6 +49,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import EngineConfig
+from ..kv.blocks import BlockStores
 from ..models.eagle3 import load_head
 from ..models.loading import DTYPES, load_pair
 from ..sampling.sampler import COUPLINGS
@@ -57,8 +58,8 @@ from ..utils.threads import apply_threads, choose_threads
 from .equivalence import Reference
 from .flags import at_least, input_file, int_list, model_source, writable
 from .ideal import CostModel
-from .methods import (HF_METHODS, METHODS, SPECULATIVE_METHODS, CellKey, EngineMethod, HFModels, Prompt,
-                      Run, make_method, missing_models, model_of, run_interleaved)
+from .methods import (HF_METHODS, METHODS, PATHS, SPECULATIVE_METHODS, CellKey, EngineMethod, HFModels, Prompt,
+                      Run, make_method, missing_models, model_of, reads_in_place, run_interleaved)
 from .paths import forward_costs
 # the prompts live in prompt_sets.py; these names stay reachable here (tests, replay.py)
 from .prompt_sets import (PROMPT_SET_NAMES, PROMPT_SETS, chat_of_turns, read_prompts,  # noqa: F401
@@ -78,14 +79,16 @@ def cell_keys(methods: list[str], batch_size: int, k: int,
               couplings: list[str | None] = (None,), paths: list[str] = ("eager",),
               fixed_ks: list[int] | None = None) -> list[CellKey]:
     """Cells of one batch size; engine cells once per coupling (None: a greedy run) and per
-    decode path (the Hugging Face baselines have only their own, eager). A speculative method
+    decode path (the Hugging Face baselines have only their own, eager; the in_place path only
+    EXSPEC's methods, whose block store it reads). A speculative method
     runs adaptive (k at most `k`) and at each fixed k of `fixed_ks` (default: k alone); Hugging
     Face assisted generation's fixed schedule only at `k`."""
     keys = []
     for method in methods:
         engine = method not in HF_METHODS
         for coupling, path in ((c, p) for c in (couplings if engine else (None,))
-                               for p in (paths if engine else ("eager",))):
+                               for p in (paths if engine else ("eager",))
+                               if p != "in_place" or reads_in_place(method)):
             if method in ("autoregressive", "hf_generate"):
                 keys.append(CellKey(method, batch_size, 0, None, coupling, path))
             elif method in SPECULATIVE and (method != "hf_assisted" or batch_size == 1):
@@ -218,8 +221,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sampling-couplings", default="gumbel",
                     help=f"sampled runs: comma list of {', '.join(COUPLINGS)}, each timed interleaved")
     ap.add_argument("--paths", default="eager",
-                    help="decode paths, comma list of eager, compiled (enforce_eager false/true): "
-                         "each engine cell runs on each; compiled adds per-forward costs and warm-ups")
+                    help="decode paths, comma list of eager, compiled (enforce_eager false/true), "
+                         "in_place (compiled, reading the block store in place: attention_backend "
+                         "FLEX_ATTENTION, exspec methods only): each engine cell runs on each; "
+                         "compiled adds per-forward costs and warm-ups")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend of the compiled path (eager / aot_eager: Dynamo's "
                          "graphs without generated code, for a quick check of the machinery)")
@@ -273,9 +278,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.draft_stop not in (None, "auto") and not 0 <= args.draft_stop < 1:
         ap.error(f"--draft-stop: auto or a confidence in [0, 1), got {args.draft_stop}")
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if not args.paths or set(args.paths) - {"eager", "compiled"}:
-        ap.error("--paths: a comma list of eager, compiled")
-    if "compiled" in args.paths:
+    if not args.paths or set(args.paths) - set(PATHS):
+        ap.error(f"--paths: a comma list of {', '.join(PATHS)}")
+    if "in_place" in args.paths and not any(map(reads_in_place, args.methods)):
+        ap.error("--paths in_place reads EXSPEC's block store: add an exspec method to --methods")
+    if {"compiled", "in_place"} & set(args.paths):
         from torch._dynamo import list_backends
         if args.compile_backend not in list_backends(exclude_tags=()):
             ap.error(f"--compile-backend {args.compile_backend!r}: not a torch.compile backend "
@@ -417,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"time: raise --num-prompts above it")
     sampled = args.temperature > 0
     reference = reference_outputs(args, hf, prompts, sampled, progress)
+    # the in_place path's stores have a fixed size: room for every prompt at once, in each model
+    longest = max(len(p.ids) for p in prompts + args.history) + args.max_tokens + args.k + 1
+    args.in_place_kv_tokens = 2 * (len(prompts) + 1) * BlockStores.entries_for(longest)
     typical = round(statistics.mean(len(p.ids) for p in prompts) + args.max_tokens / 2)
     costs = CostModel(hf, typical)
 

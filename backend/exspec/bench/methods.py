@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import EngineConfig, LLMEngine, SamplingParams
+from ..config import FLEX_ATTENTION
 from ..models.loading import DTYPES, _eos_ids, _max_positions
 from ..speculative import METHODS as PROPOSERS
 
@@ -36,6 +37,15 @@ HF_METHODS = ("hf_generate", "hf_assisted")
 METHODS = tuple(ENGINE_METHODS) + HF_METHODS
 # what a method's model is given by: its flag, and what it names
 MODEL_FLAGS = {"draft": ("--draft", "a draft model"), "head": ("--eagle3", "an EAGLE-3 head's folder")}
+# the engine's decode paths (--paths), as a cell's label names them: Hugging Face's forward,
+# the compiled one, and the compiled one reading EXSPEC's block store in place
+# (attention_backend FLEX_ATTENTION: exspec methods only)
+PATHS = {"eager": "", "compiled": "compiled", "in_place": "compiled, KV read in place"}
+
+
+def reads_in_place(method: str) -> bool:
+    """Whether `method` can run on the in_place path (its layout is EXSPEC's block store)."""
+    return ENGINE_METHODS.get(method, ("",))[0] == "exspec"
 
 
 def model_of(method: str) -> str | None:
@@ -80,14 +90,14 @@ class CellKey:
     k: int
     adaptive_k: bool | None   # None: no speculation to adapt
     coupling: str | None = None   # engine cells of a sampled run: gumbel | rejection
-    path: str = "eager"           # engine cells: the decode path, eager | compiled
+    path: str = "eager"           # engine cells: the decode path, one of PATHS
 
     @property
     def label(self) -> str:
         coupling = "" if self.coupling is None else f", {self.coupling}"
-        path = ", compiled" if self.path == "compiled" else ""
+        path = f", {PATHS[self.path]}" if PATHS[self.path] else ""
         if self.adaptive_k is None:
-            extra = ", ".join(x for x in (self.coupling, "compiled" if path else None) if x)
+            extra = ", ".join(x for x in (self.coupling, PATHS[self.path]) if x)
             return self.method + (f" ({extra})" if extra else "")
         return f"{self.method} ({'adaptive k' if self.adaptive_k else f'k={self.k}'}{coupling}{path})"
 
@@ -165,6 +175,9 @@ class EngineMethod(Method):
         # a fixed k = 0 runs the method's layout without speculation: no draft to load
         loads = model_of(key.method) if key.adaptive_k or key.k > 0 else None
         drafted, head = loads == "draft", loads == "head"
+        # read in place: stores of a fixed size (cli.py sizes them for the run's prompts)
+        in_place = (dict(attention_backend=FLEX_ATTENTION, max_num_kv_tokens=args.in_place_kv_tokens)
+                    if key.path == "in_place" else {})
         self.engine = LLMEngine(EngineConfig(
             target_model=args.target,
             draft_model=args.draft if drafted else args.eagle3 if head else None,
@@ -173,7 +186,7 @@ class EngineMethod(Method):
             max_batch_size=key.batch_size, max_num_seqs=max(key.batch_size, num_prompts),
             device=args.device, dtype=args.dtype, torch_threads=args.threads,
             sampling_coupling=key.coupling or "gumbel", enforce_eager=key.path == "eager",
-            draft_stop_confidence=args.draft_stop),
+            draft_stop_confidence=args.draft_stop, **in_place),
             pair=self.shared_pair(args, drafted))
         self.warm_up = self.engine.warm_up   # compiled path: graphs and seconds
         self.sampling = dict(temperature=args.temperature, top_p=args.top_p)

@@ -7,7 +7,7 @@ import statistics
 import warnings
 from pathlib import Path
 
-from .methods import SPECULATIVE_METHODS
+from .methods import PATHS, SPECULATIVE_METHODS
 from .tokens_per_step import section as tokens_per_step_section
 
 SPEC_METHODS = (*SPECULATIVE_METHODS, "hf_assisted")
@@ -40,7 +40,8 @@ def _pct(value, digits: int = 0) -> str:
 
 def label(cell: dict) -> str:
     coupling = cell.get("sampling_coupling")
-    path = ", compiled" if cell.get("path") == "compiled" else ""
+    path = PATHS[cell.get("path", "eager")]
+    path = f", {path}" if path else ""
     if cell["adaptive_k"] is None:
         extra = ", ".join(x for x in (coupling, path[2:]) if x)
         return cell["method"] + (f" ({extra})" if extra else "")
