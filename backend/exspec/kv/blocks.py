@@ -39,7 +39,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..utils.transfer import Transfers
 from .block_cache import BlockCache
-from .in_place import block_masks
+from .in_place import block_masks, table_maps
 from .padded import LayerMasks, new_cache
 
 BLOCK_SIZE = 16
@@ -291,6 +291,7 @@ class BlockKV:
         self._table: torch.Tensor | None = None   # the device block table, rebuilt on change
         self._columns_of: torch.Tensor | None = None   # the table `_columns` was made from
         self._padded: tuple | None = None   # (table, it with pad rows): `_with_rows`'s last
+        self._maps: tuple | None = None     # (table, in_place.table_maps of it), read in place
 
     @property
     def cache(self):
@@ -356,8 +357,9 @@ class BlockKV:
         store = self.store
         slots = table.gather(1, positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE
         store.forward.bind(torch.where(input_valid, slots, SCRATCH_BLOCK * BLOCK_SIZE).reshape(-1), None)
-        return block_masks(table, positions, input_valid, store.num_blocks, BLOCK_SIZE,
-                           store.masks.windows, SCRATCH_BLOCK, store.mask_rows)
+        if self._maps is None or self._maps[0] is not table:
+            self._maps = (table, table_maps(table, store.num_blocks, SCRATCH_BLOCK, store.mask_rows))
+        return block_masks(self._maps[1], positions, input_valid, BLOCK_SIZE, store.masks.windows)
 
     def _columns(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's slot of every gathered column [B, W] and the columns' positions [W]:

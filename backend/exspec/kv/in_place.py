@@ -9,7 +9,8 @@ BlockMask lists each row's own blocks: what a forward allocates then does not de
 long its rows are.
 
 The BlockMask of a forward (`block_masks`, built once per forward outside the compiled regions,
-shared by every layer of the store): per row, the blocks wholly before its first real query
+shared by every layer of the store, from maps of the block table made once per table,
+`table_maps`): per row, the blocks wholly before its first real query
 go in as "full" blocks (the kernel reads them without the mask function); the blocks from
 there to its last query's go in as partial ones, masked by `mask_mod`, which alone is exact
 (an eager FlexAttention evaluates it over every slot and ignores the lists): a slot is seen
@@ -73,23 +74,33 @@ def use_in_place(model) -> None:
     model.set_attn_implementation(NAME)
 
 
-def block_masks(table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                num_blocks: int, block_size: int, windows: dict[str, int | None], scratch: int,
-                mask_rows: int):
-    """The BlockMask of each layer type for a forward over a store of `num_blocks` blocks:
-    `table` [B, nb] the rows' block ids (padded with `scratch`), `positions` / `valid` [B, q]
-    the queries'. One BlockMask when there is one layer type (as LayerMasks.build). What the
-    mask function reads has `mask_rows` rows (at least B; the rows past B read nothing): a
-    size of its own that stays one number while B varies, since inductor's CPU template
-    misnames a symbolic size of what a mask function indexes (torch 2.13: "cur_kvSplitSize9
-    was not declared")."""
+def table_maps(table: torch.Tensor, num_blocks: int, scratch: int,
+               mask_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `block_masks` reads of a block table (`table` [B, nb] the rows' block ids, padded
+    with `scratch`, in a store of `num_blocks`), made once per table: a table serves every
+    forward of its model until a row takes a new block (the draft's k forwards, say).
+    `logical` [max(B, mask_rows), num_blocks]: each store block's index in the row's table, -1
+    where it is not the row's (the rows past B: none). Its rows are `mask_rows`, a size of its
+    own that stays one number while B varies, since inductor's CPU template misnames a symbolic
+    size of what a mask function indexes (torch 2.13: "cur_kvSplitSize9 was not declared").
+    `padded` [B, num_blocks]: the table padded to the store's blocks (the kernels' block lists)."""
     rows, width = table.shape
     device = table.device
     logical = torch.full((max(rows, mask_rows), num_blocks), -1, dtype=torch.long, device=device)
     logical[:rows].scatter_(1, table, torch.arange(width, device=device).expand(rows, -1))
     logical[:, scratch] = -1   # padding, and pads' entries: never seen
+    return logical, torch.nn.functional.pad(table, (0, num_blocks - width))
+
+
+def block_masks(maps: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                valid: torch.Tensor, block_size: int, windows: dict[str, int | None]):
+    """The BlockMask of each layer type for a forward over a store: `maps` its block table's
+    (`table_maps`), `positions` / `valid` [B, q] the queries'. One BlockMask when there is one
+    layer type (as LayerMasks.build)."""
+    logical, padded = maps
+    rows, num_blocks = padded.shape
+    device = padded.device
     query_positions = torch.nn.functional.pad(positions, (0, 0, 0, logical.shape[0] - rows))
-    padded = torch.nn.functional.pad(table, (0, num_blocks - width))
     columns = torch.arange(num_blocks, device=device)
     first = torch.where(valid, positions, positions.new_tensor(1 << 62)).amin(1)   # first real query
     every = positions.amax(1) // block_size + 1   # blocks up to the last query's
