@@ -206,6 +206,9 @@ def test_with_static_shapes_a_random_session_meets_only_shapes_the_warm_up_built
     speculative steps of every width, contexts crossing table buckets) the target runs only
     shapes the warm-up built, and the draft only those and its catch-up forwards wider than
     k + 1 (after plain steps), so on a GPU nothing would be captured after READY; outputs exact."""
+    from exspec.engine.runner import ModelRunner
+    pieced, in_pieces = [], ModelRunner._in_pieces   # forwards wider than the graphs built
+    monkeypatch.setattr(ModelRunner, "_in_pieces", lambda self, *a: pieced.append(a[2].shape[1]) or in_pieces(self, *a))
     engine = static_session(pairs, reference, proposer, monkeypatch, caplog, attention_backend)
     target = engine.runner.decode_forwards[engine.target]
     slots = engine.runner.kv_layout.store(engine.target).num_blocks * 16 if attention_backend else None
@@ -218,8 +221,10 @@ def test_with_static_shapes_a_random_session_meets_only_shapes_the_warm_up_built
         assert forward.static_shapes and forward.in_place == bool(attention_backend)
         assert forward.shapes >= {forward.key(s) for s in shapes}
     assert target.eager_forwards == 0, sorted(target.eager_shapes)
+    # the draft's catch-ups after more than K plain steps went in pieces through its graphs
     draft = engine.runner.decode_forwards[engine.proposer.models[0]]
-    assert all(width > K + 1 for _, width, _ in draft.eager_shapes), sorted(draft.eager_shapes)
+    assert draft.widest == K + 1 and draft.eager_forwards == 0, sorted(draft.eager_shapes)
+    assert pieced and min(pieced) > K + 1, pieced
     steps = {(s["rows"], s["k"]) for s in engine.stats()["steps_by_shape"]}
     assert {r for r, _ in steps} >= set(range(1, MAX_BATCH + 1)) and {k for _, k in steps} >= {0, 1, K}, steps
 
@@ -247,3 +252,39 @@ def test_a_static_shape_the_warm_up_could_not_build_refuses_to_load_naming_it(pa
                                              r"\(1, 2, \d+\); set enforce_eager"):
         make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2,
                     num_speculative_tokens=2, enforce_eager=False)
+
+
+def test_a_forward_wider_than_the_graphs_built_goes_in_pieces_and_computes_the_same(pairs, monkeypatch):
+    """Static shapes build widths up to k + 1; a draft's catch-up after more plain steps is
+    wider and goes in pieces through those graphs. Rows 7 and 2 tokens behind (left-padded,
+    so the short row sits out the first piece): the same logits as the whole forward run
+    eagerly, the same KV lengths, and a next token reads the same cache."""
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(compiled, "STATIC_SHAPES", True)
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2,
+                         num_speculative_tokens=2, enforce_eager=False)
+    runner, draft = engine.runner, engine.proposer.models[0]
+    forward = runner.decode_forwards[draft]
+    assert forward.widest == 3
+    prompts, behind = [[5, 6, 7, 8, 9], [11, 12, 13]], [[21, 22, 23, 24, 25, 26, 27], [31, 32]]
+
+    def feed(kv, tails, starts, decode):
+        ids, pos, valid = (torch.tensor(t, device=runner.device) for t in runner._ragged_rows(tails, starts))
+        return runner.forward(draft, kv, ids, pos, valid.bool(), [len(t) for t in tails], keep=1, decode=decode)
+
+    @torch.inference_mode()   # as the runner's steps
+    def run(pieces: bool):
+        kv = runner.kv_layout.empty(draft, 2, runner.device)
+        feed(kv, prompts, [0, 0], decode=False)
+        eager_before = forward.eager_forwards
+        caught_up = feed(kv, behind, [len(p) for p in prompts], decode=pieces)
+        assert forward.eager_forwards == eager_before   # every piece through a built graph
+        lengths = list(kv.lengths)
+        after = feed(kv, [[40], [41]], lengths, decode=False)
+        kv.select([])
+        return caught_up, lengths, after
+
+    whole, pieced = run(False), run(True)
+    assert pieced[1] == whole[1] == [12, 5]
+    torch.testing.assert_close(pieced[0], whole[0])
+    torch.testing.assert_close(pieced[2], whole[2])

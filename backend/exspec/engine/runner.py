@@ -158,8 +158,10 @@ class ModelRunner:
                        decode=True, features: torch.Tensor | None = None):
         """`forward`'s model output, whole; `features` [B, q, hidden]: an EAGLE head's input
         beside the ids (spec/eagle3.py)."""
-        self.faults.before_forward()
         forward = self.decode_forwards.get(model, model) if decode else model
+        if forward is not model and forward.widest is not None and keep <= forward.widest < ids.shape[1]:
+            return self._in_pieces(model, kv, ids, pos, valid, counts, keep, features, forward.widest)
+        self.faults.before_forward()
         if forward is not model:   # compiled: inputs of one stride pattern (a copy on EQSPEC's views)
             self.stats.add("realign_bytes", kv.make_contiguous())
             # Dynamo guards strides too: an expanded or sliced input (positions broadcast over
@@ -190,6 +192,21 @@ class ModelRunner:
                       cache=kv.cache, use_cache=True, logits_to_keep=keep, **inputs)
         kv.appended(valid[:rows], counts)
         return out if padded == rows else _first_rows(out, rows, padded)
+
+    def _in_pieces(self, model, kv, ids, pos, valid, counts: list[int], keep: int, features,
+                   widest: int):
+        """A decode forward wider than the graphs the warm-up built (a proposer's catch-up after
+        more than k plain steps), as consecutive forwards through them of at most `widest`
+        columns, the last one `widest` wide: each writes its columns' entries, the last gives
+        the output. Rows are left-padded: row i's tokens are its last counts[i] columns."""
+        width = ids.shape[1]
+        bounds = [0, *range(width % widest or widest, width + 1, widest)]
+        for start, end in zip(bounds, bounds[1:]):
+            fed = [max(0, end - max(start, width - count)) for count in counts]
+            out = self.forward_output(model, kv, ids[:, start:end], pos[:, start:end], valid[:, start:end],
+                                      fed, keep if end == width else 1,
+                                      features=None if features is None else features[:, start:end])
+        return out
 
     def _noise(self, rows: RowSampling, first: torch.Tensor, count: int) -> torch.Tensor | None:
         """[B, count, V] Gumbel noise of each row's positions first .. first+count-1 (`first` [B],

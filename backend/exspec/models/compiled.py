@@ -60,9 +60,11 @@ multiples of 8, a forward of other rows padded with pad rows by the runner, sinc
 costs a forward in the warm-up; widths 2 .. k + 1; every table bucket up to
 max_model_len), each as one forward of new rows in a block of their own whose table is padded
 with the scratch block to the bucket; the engine refuses to load if one is missing. After READY
-a forward of any other shape runs eagerly, logged once per shape: only a proposer's catch-up
-forward (a draft's, an EAGLE head's) after more than k plain steps is wider than k + 1. Their
-count grows with max_batch_size / 8 x log2(max_model_len), hence max_model_len is worth setting to what a deployment needs. On a CPU
+a forward of any other shape runs eagerly, logged once per shape. A proposer's catch-up forward
+(a draft's, an EAGLE head's) after more than k plain steps is wider than k + 1: the runner
+feeds it in pieces of at most k + 1 columns through the built graphs (`widest`). The shapes'
+count grows with max_batch_size / 8 x log2(max_model_len), hence max_model_len is worth
+setting to what a deployment needs. On a CPU
 `STATIC_SHAPES` turns the same rule on (tests/engine/test_compiled_session.py checks that a random
 session meets no shape the warm-up did not build).
 """
@@ -131,6 +133,9 @@ class CompiledForward:
         self.in_place = in_place
         self.eager_shapes: set[tuple[int, int, int]] = set()
         self.eager_forwards = 0
+        # set by warm_up where a graph is built per width (static shapes, read in place): the
+        # widest query built (k + 1); the runner feeds a wider forward in pieces through them
+        self.widest: int | None = None
         self.features: tuple[int, torch.dtype] | None = None   # an EAGLE head's feature input
         self.cpp_wrapper = False   # inductor's C++ wrappers (regions of several layers on a CPU)
         # CUDA graphs: inductor's cudagraph trees (mode "reduce-overhead"), see cuda_graph_counts
@@ -589,8 +594,8 @@ def static_shapes(max_rows: int, k: int, max_model_len: int,
     """Every (rows, tokens, KV columns) a decode forward on the block store can take, in the
     order the warm-up builds them: the row buckets up to max_rows' (`row_bucket`: a forward of
     other rows runs padded to its bucket), widths 2 .. k + 1 (a one-token forward is fed as
-    two; a proposer's catch-up after more plain steps than that is wider, and runs eagerly),
-    and every block-table bucket up to
+    two; a proposer's catch-up after more plain steps than that is wider, and is fed in pieces
+    of these), and every block-table bucket up to
     max_model_len (verification never reaches past it). Read in place (`store_slots`: the
     store's size), every forward's KV columns are the whole store's."""
     widths = range(2, max(2, k + 1) + 1)
@@ -707,8 +712,10 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | Non
                      batch, len(schedule), dynamo_counts()["graphs"] - before["graphs"],
                      time.perf_counter() - start)
         _build_static_shapes(runner, static, shapes, rounds, bar)
-    for forward in forwards:
+    for model, forward in zip(models, forwards):
         forward.warm = True
+        if shapes[model]:   # every width up to k + 1 built: a wider forward goes in pieces
+            forward.widest = max(width for _, width, _ in shapes[model])
     after, cache_after = dynamo_counts(), inductor_cache_counts()
     captured = None
     if cuda_graphs:
