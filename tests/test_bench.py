@@ -301,6 +301,8 @@ def test_every_decode_path_in_one_run(bench_inputs, monkeypatch):
         assert {("autoregressive", None, path), ("exspec", True, path), ("exspec", False, path)} <= cells
     assert {("exspec", True, "in_place"), ("exspec", False, "in_place")} <= cells
     assert ("autoregressive", None, "in_place") not in cells
+    # read in place, against the target alone compiled (the path's own cannot read in place)
+    assert all(c["speedup_vs_autoregressive"] > 0 for c in results["cells"] if c["path"] == "in_place")
     assert all(c["exact_match_share"] == 1.0 for c in results["cells"]), "a path changed tokens"
     assert "exspec (adaptive k≤3, compiled, KV read in place)" in (out / "results.md").read_text()
     costs = {(r["model"], r["batch_size"]) for r in results["paths"]["forward_ms"]}

@@ -149,11 +149,13 @@ def summarize(key: CellKey, runs: list[Run], reference: Reference,
 
 
 def add_speedups(cells: list[dict]) -> None:
-    """Against autoregressive on the same decode path, and the same method at batch size 1."""
+    """Against autoregressive on the same decode path (the in_place path: on the compiled one,
+    since it cannot read a block store), and the same method at batch size 1."""
     by = {(c["method"], c["batch_size"], c["k"], c["adaptive_k"], c["sampling_coupling"], c["path"]): c
           for c in cells}
     for c in cells:
-        ar = by.get(("autoregressive", c["batch_size"], 0, None, c["sampling_coupling"], c["path"]))
+        path = "compiled" if c["path"] == "in_place" else c["path"]
+        ar = by.get(("autoregressive", c["batch_size"], 0, None, c["sampling_coupling"], path))
         if ar:
             c["speedup_vs_autoregressive"] = c["tokens_per_s"] / ar["tokens_per_s"]
             if c["draft_ms_per_forward"] and ar["step_ms"]:   # a draft token against a target step

@@ -138,8 +138,9 @@ def findings(cells: list[dict]) -> list[str]:
         if not any(row):
             continue
         cells_md = []
-        for b, c in zip(sizes, row):
-            ar = by.get(("autoregressive", b, None, coupling))
+        for b, c in zip(sizes, row):   # read in place: against the target alone compiled
+            baseline = (coupling[0], "compiled") if coupling[1] == "in_place" else coupling
+            ar = by.get(("autoregressive", b, None, baseline))
             ideal = (c["ideal_tokens_per_s"] / ar["ideal_tokens_per_s"]
                      if c and ar and c["ideal_tokens_per_s"] and ar["ideal_tokens_per_s"] else None)
             cells_md.append("–" if c is None else
