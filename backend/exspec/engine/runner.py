@@ -162,36 +162,41 @@ class ModelRunner:
         if forward is not model and forward.widest is not None and keep <= forward.widest < ids.shape[1]:
             return self._in_pieces(model, kv, ids, pos, valid, counts, keep, features, forward.widest)
         self.faults.before_forward()
-        if forward is not model:   # compiled: inputs of one stride pattern (a copy on EQSPEC's views)
-            self.stats.add("realign_bytes", kv.make_contiguous())
-            # Dynamo guards strides too: an expanded or sliced input (positions broadcast over
-            # rows, say) would compile a new graph after the warm-up
-            ids, pos, valid = _dense(ids), _dense(pos), _dense(valid)
-            features = None if features is None else _dense(features)
-            if ids.shape[1] == 1 and kv.free_pads:
-                # fed as two tokens, a pad first (its entry goes to scratch): torch compiles a
-                # width of 1 apart, so this halves the graphs the warm-up compiles
-                pad = torch.nn.functional.pad
-                ids, pos, valid = (pad(t, (1, 0), value=fill)
-                                   for t, fill in ((ids, self.pad_id), (pos, 0), (valid, False)))
-                if features is not None:
-                    features = pad(features, (0, 0, 1, 0))
-        rows = padded = ids.shape[0]
-        if forward is not model and forward.static_shapes:
-            # a graph per row bucket, not per row count (CUDA graphs): pad rows of pad tokens,
-            # invalid, so that they read and write only the scratch block; their outputs dropped
-            padded = row_bucket(rows)
-            if padded > rows:
-                ids, pos, valid = (_pad_rows(t, padded, fill)
-                                   for t, fill in ((ids, self.pad_id), (pos, 0), (valid, False)))
-                features = None if features is None else _pad_rows(features, padded, 0)
+        rows = ids.shape[0]
+        if forward is not model:   # its rows may then be padded (static shapes)
+            ids, pos, valid, features = self._compiled_inputs(forward, kv, ids, pos, valid, features)
         in_place = forward is not model and forward.reads_in_place(*ids.shape)
         mask = kv.attention_mask(valid, counts, pos, always=forward is not model, in_place=in_place)
         inputs = {} if features is None else {"features": features}
         out = forward(input_ids=ids, attention_mask=mask, position_ids=pos,
                       cache=kv.cache, use_cache=True, logits_to_keep=keep, **inputs)
         kv.appended(valid[:rows], counts)
-        return out if padded == rows else _first_rows(out, rows, padded)
+        return out if ids.shape[0] == rows else _first_rows(out, rows, ids.shape[0])
+
+    def _compiled_inputs(self, forward, kv, ids, pos, valid, features):
+        """A compiled forward's inputs: of one stride pattern, a one-token forward fed as two,
+        and with static shapes the rows padded to their bucket."""
+        self.stats.add("realign_bytes", kv.make_contiguous())   # a copy on EQSPEC's views
+        # Dynamo guards strides too: an expanded or sliced input (positions broadcast over
+        # rows, say) would compile a new graph after the warm-up
+        ids, pos, valid = _dense(ids), _dense(pos), _dense(valid)
+        features = None if features is None else _dense(features)
+        if ids.shape[1] == 1 and kv.free_pads:
+            # fed as two tokens, a pad first (its entry goes to scratch): torch compiles a
+            # width of 1 apart, so this halves the graphs the warm-up compiles
+            pad = torch.nn.functional.pad
+            ids, pos, valid = (pad(t, (1, 0), value=fill)
+                               for t, fill in ((ids, self.pad_id), (pos, 0), (valid, False)))
+            if features is not None:
+                features = pad(features, (0, 0, 1, 0))
+        rows = row_bucket(ids.shape[0]) if forward.static_shapes else ids.shape[0]
+        if rows > ids.shape[0]:
+            # a graph per row bucket, not per row count (CUDA graphs): pad rows of pad tokens,
+            # invalid, so that they read and write only the scratch block; their outputs dropped
+            ids, pos, valid = (_pad_rows(t, rows, fill)
+                               for t, fill in ((ids, self.pad_id), (pos, 0), (valid, False)))
+            features = None if features is None else _pad_rows(features, rows, 0)
+        return ids, pos, valid, features
 
     def _in_pieces(self, model, kv, ids, pos, valid, counts: list[int], keep: int, features,
                    widest: int):
