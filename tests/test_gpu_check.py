@@ -99,6 +99,21 @@ def test_smoke_step_diagnostics_and_nothing_compiled_after_ready(smoke):
     assert "## Since READY (must be 0)" in smoke[2] and "forwards run eagerly" in smoke[2]
 
 
+def test_smoke_reading_in_place_serves_exspec_exactly_and_builds_every_graph_before_ready(tmp_path):
+    """--path in_place: exspec's engines read the block store in place (FlexAttention, a graph
+    per width), what a lent GPU checks first for that path; on the CPU its smoke run at one
+    batch size: exact, nothing compiled after READY."""
+    proc, _ = run_check(tmp_path, "--path", "in_place", "--batch-sizes", "2", "--skip-tests")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    exspec = next(e for e in report["phases"]["ready"]["engines"] if e["method"] == "exspec")
+    assert "KV read in place" in exspec["warm_up"] and exspec["kv_tokens"] > 0
+    cells = report["phases"]["interleaved"]["cells"]
+    assert all(c["exact_match_share"] == 1.0 for c in cells) and len(cells) == 3
+    after = report["phases"]["step_diagnostics"]["after_ready"]
+    assert after["graphs"] == 0 and after["eager_forwards"] == 0 and after["new_shapes"] == []
+
+
 def test_a_failed_phase_and_a_kill_leave_the_earlier_phases_in_the_report(tmp_path):
     """interleaved raises (the run goes on), then step_diagnostics is killed by SIGTERM, as the
     Makefile's `timeout` would: both reports hold ready's results and each failure."""

@@ -57,6 +57,7 @@ from types import SimpleNamespace
 import torch
 
 from .. import SamplingParams
+from ..kv.blocks import BlockStores
 from ..models import compiled
 from ..models.loading import DTYPES, ModelPair, _eos_ids, _max_positions
 from .equivalence import Reference
@@ -82,6 +83,7 @@ LOGIT_STD = 4.0   # the random LM head's logits' spread: peaked enough that gree
 SYNC_WARNING = "called a synchronizing CUDA operation"   # sync debug mode "warn"'s text
 NEW_SHAPE = "after the warm-up"   # compiled.CompiledForward's warning for a shape met after READY
 TOP_OPS = 15
+PROMPT_LENGTHS = (8, 24)   # the random prompts' token counts, least and most
 
 
 class Killed(BaseException):
@@ -206,7 +208,7 @@ class PairModels(HFModels):
         self.max_model_len = pair.max_model_len
 
 
-def random_prompts(count: int, vocab: int, seed: int, lengths: tuple[int, int] = (8, 24)) -> list[Prompt]:
+def random_prompts(count: int, vocab: int, seed: int, lengths: tuple[int, int] = PROMPT_LENGTHS) -> list[Prompt]:
     """Seeded random token ids of varied lengths (ragged rows), within the tokenizer's tokens."""
     rng = random.Random(seed)
     return [Prompt(i, "random", "", ids=[rng.randrange(1, vocab) for _ in range(rng.randint(*lengths))])
@@ -457,13 +459,14 @@ def ready(check: Check, entry: dict) -> None:
     engine_args = SimpleNamespace(
         target=f"in memory: {args.shape} target", draft=f"in memory: {args.shape} draft", eagle3=None,
         tokenizer=None, device=args.device, dtype=args.dtype, threads=args.threads, draft_stop=None,
-        temperature=0.0, top_p=1.0, seed=args.seed, model_pair=check.pair, history=())
+        temperature=0.0, top_p=1.0, seed=args.seed, model_pair=check.pair, history=(),
+        in_place_kv_tokens=in_place_kv_tokens(args))
     entry["engines"] = []
     for batch in args.batch_sizes:
         for method in ("exspec", "autoregressive"):   # exspec first: its READY is a server's
             speculative = method == "exspec"
             key = CellKey(method, batch, args.k if speculative else 0, False if speculative else None,
-                          None, "compiled")
+                          None, args.path if speculative else "compiled")
             start = time.perf_counter()
             with kv_room(check):
                 check.engines[method, batch] = built = EngineMethod(key, engine_args, len(check.prompts))
@@ -481,6 +484,16 @@ def ready(check: Check, entry: dict) -> None:
     entry["summary"] = (f"READY exspec {first['exspec']} s, target-only {first['autoregressive']} s "
                         f"(batch {args.batch_sizes[0]}); draft agrees at "
                         f"{entry['pair']['calibration']['agreement']:.0%}")
+
+
+def in_place_kv_tokens(args) -> int | None:
+    """The KV budget of an engine reading its store in place (--path in_place): on CUDA None
+    (the engine sizes its stores from the memory kv_room leaves it); on a CPU, where a fixed
+    store needs a number, room for every prompt at once in both models."""
+    if args.device.startswith("cuda"):
+        return None
+    longest = PROMPT_LENGTHS[1] + args.max_tokens + args.k + 1
+    return 2 * (args.num_prompts + 1) * BlockStores.entries_for(longest)
 
 
 def interleaved(check: Check, entry: dict) -> None:
@@ -676,6 +689,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=None, help="default: 32 (--smoke: 8)")
     ap.add_argument("-k", type=int, default=4, help="exspec's fixed k")
+    ap.add_argument("--path", choices=("compiled", "in_place"), default="compiled",
+                    help="exspec's decode path: compiled (each row's KV blocks gathered), or "
+                         "in_place (attention_backend FLEX_ATTENTION: the block store read in "
+                         "place, a graph per verification width); target-only stays compiled")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3; --smoke: 2)")
     ap.add_argument("--profile-steps", type=int, default=3, help="engine steps profiled (and sync-counted)")
     ap.add_argument("--budget", type=float, default=285,
