@@ -149,3 +149,26 @@ def test_engines_sharing_a_model_each_run_their_own_compiled_forward(pairs, refe
         out = engine.generate([prompt], SamplingParams(max_tokens=8))[0]
         assert out.token_ids == reference(pairs["llama", "target"], prompt, 8)
         assert set(ran) == set(engine.runner.decode_forwards.values()), "ran another engine's forwards"
+
+
+def test_after_the_warm_up_every_width_at_every_row_count_compiles_nothing(pairs, monkeypatch):
+    """Both models, every verification width 2 .. k + 1 at 2 .. max_batch_size rows, as new
+    rows after READY: no graph compiles. Two ways this failed (seen in CI as "3 rows, 4 tokens"
+    compiled after READY): a width the warm-up first met at 2 rows (the draft's catch-up) kept
+    a 2-row graph, and positions read from a step's upload (a view with a storage offset, which
+    Dynamo guards) built a graph that a new tensor's offset of 0 missed."""
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=4, max_num_seqs=6,
+                         num_speculative_tokens=4, enforce_eager=False,
+                         attention_backend="FLEX_ATTENTION", max_num_kv_tokens=2 * 6 * 256)
+    runner, compiled_after = engine.runner, []
+    for model in (engine.target, engine.proposer.models[0]):
+        forward = runner.decode_forwards[model]
+        slots = runner.kv_layout.store(model).num_blocks * 16
+        for rows in (2, 3, 4):
+            for width in (2, 3, 4, 5):
+                before = compiled.dynamo_counts()["graphs"]
+                compiled._shape_forward(runner, model, forward, (rows, width, slots))
+                if compiled.dynamo_counts()["graphs"] != before:
+                    compiled_after.append((type(model).__name__, model is engine.target, rows, width))
+    assert not compiled_after

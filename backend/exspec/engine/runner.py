@@ -546,13 +546,15 @@ def _first_rows(out, rows: int, padded: int):
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` with the strides of a new contiguous tensor of its shape. `contiguous()` is not
-    enough: it keeps any stride of a size-1 dimension (one row sliced from a wider buffer), and
-    Dynamo guards that stride as well."""
+    """`tensor` with the strides and storage offset of a new contiguous tensor of its shape.
+    `contiguous()` is not enough: it keeps any stride of a size-1 dimension (one row sliced from
+    a wider buffer) and a view's offset (positions read from a step's one upload), and Dynamo
+    guards both (an offset of 0 or 1 apart from larger ones: a width first compiled from an
+    upload's slice compiled again for a new tensor after READY)."""
     expected, step = [], 1
     for size in reversed(tensor.shape):
         expected.append(step)
         step *= size
-    if tuple(reversed(expected)) == tensor.stride():
+    if tuple(reversed(expected)) == tensor.stride() and tensor.storage_offset() == 0:
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)

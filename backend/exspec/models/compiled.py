@@ -645,16 +645,22 @@ def _shape_forward(runner, model, forward: CompiledForward, shape: tuple[int, in
         kv.select([])
 
 
-def _build_static_shapes(runner, forwards: dict, shapes: dict, rounds: int, bar) -> None:
+def _build_static_shapes(runner, forwards: dict, shapes: dict, rounds: int, bar,
+                         rows: int | None = None) -> None:
     """Run each forward at every shape of `shapes[model]` it has not met (`rounds` times: a
-    cudagraph tree captures at a shape's second call); then every one must be built, or the
-    engine does not load."""
+    cudagraph tree captures at a shape's second call), those of `rows` rows only where given;
+    without `rows` every one must then be built, or the engine does not load."""
     for model, forward in forwards.items():
         for shape in shapes[model]:
+            if rows is not None and shape[0] != rows:
+                continue
             if forward.key(shape) not in forward.shapes:
                 for _ in range(rounds):
                     _shape_forward(runner, model, forward, shape)
-            bar.update()
+            if rows is not None or shape[0] not in WARM_UP_ROWS:   # each shape counted once
+                bar.update()
+        if rows is not None:
+            continue
         missing = [s for s in shapes[model] if forward.key(s) not in forward.shapes]
         if missing:
             raise ModelLoadError(
@@ -708,6 +714,11 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | Non
                 runner.step(group, step_k)
                 group.realign()
                 bar.update()
+            # this row count's shapes before the next one's schedule: reading in place,
+            # automatic dynamic shapes make a width's rows symbolic only when they change from
+            # its first graph's, so a width first met at 2 rows (a catch-up the 1-row schedule
+            # did not make) kept a 2-row graph and compiled again at 3 rows after READY
+            _build_static_shapes(runner, static, shapes, rounds, bar, rows=batch)
             log.info("exspec: warm-up: %d row(s) done (%d steps), %d graphs compiled so far, %.1f s",
                      batch, len(schedule), dynamo_counts()["graphs"] - before["graphs"],
                      time.perf_counter() - start)
