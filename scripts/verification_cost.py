@@ -1,7 +1,8 @@
 """What a verification costs against one token on this machine: the real pair's target
-(SmolLM2-135M-Instruct, `make real-pair`) at batch 1 over a 96-token context, forwards of 1, 2, 3
-and 5 tokens through the engine's own runner, on the eager path, the compiled path, and the
-compiled path with the plain lm_head (`--no-packed-head` leaves that cell out). Every cell is an
+(SmolLM2-135M-Instruct, `make real-pair`) at batch 1 over a 96-token context, forwards of 1, 2, 3,
+4 and 5 tokens through the engine's own runner, on the eager path, the compiled path (the
+lm_head packed for small batches), the compiled path with `freeze_weights` (`--no-frozen` leaves
+it out) and with the plain lm_head (`--no-packed-head`). Every cell is an
 engine of its own on one store layout (EXSPEC's block store, n-gram proposer: no draft to load);
 the widths and cells are timed in turn, round after round, and each figure is a median.
 
@@ -9,7 +10,8 @@ the widths and cells are timed in turn, round after round, and each figure is a 
     python scripts/verification_cost.py --threads 2 --rounds 30
 
 Prints the processor (lscpu's name), then per cell the milliseconds per width and each width's
-ratio to one token. A compiled cell warms up first (a cold compile cache: a minute or two).
+ratio to one token. A compiled cell warms up first (a cold compile cache: a minute or two; with frozen weights
+four to six minutes at every start).
 """
 from __future__ import annotations
 
@@ -17,23 +19,26 @@ import argparse
 import statistics
 
 CONTEXT = 96
-WIDTHS = (1, 2, 3, 5)
+WIDTHS = (1, 2, 3, 4, 5)
 
 
-def build(path: str, compiled_path: bool, packed: bool):
-    """One cell's engine, warm, and its target forward (width -> seconds; demo/check_cost.py)."""
+def build(path: str, compiled_path: bool, packed: bool = True, frozen: bool = False):
+    """One cell's engine, warm, and its target forward (width -> seconds; demo/check_cost.py).
+    `packed`: the lm_head packed for small batches (the compiled path's default on a CPU);
+    `frozen`: freeze_weights (verifications through graphs with the weights frozen in)."""
     from exspec import EngineConfig, LLMEngine
     from exspec.demo.check_cost import engine_forward
     from exspec.models import packed_head
+    real = packed_head.packable
     if not packed:   # this cell's head stays plain: nothing to pack
-        real, packed_head.packable = packed_head.packable, lambda model: False
+        packed_head.packable = lambda model: False
     try:
         engine = LLMEngine(EngineConfig(target_model=path, method="exspec", proposer="ngram",
                                         num_speculative_tokens=max(WIDTHS) - 1, max_batch_size=1,
-                                        adaptive_k=False, enforce_eager=not compiled_path))
+                                        adaptive_k=False, enforce_eager=not compiled_path,
+                                        freeze_weights=frozen))
     finally:
-        if not packed:
-            packed_head.packable = real
+        packed_head.packable = real
     return engine_forward(engine, CONTEXT)
 
 
@@ -43,16 +48,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-packed-head", action="store_true", help="leave out the compiled path "
                     "with the plain head")
+    ap.add_argument("--no-frozen", action="store_true", help="leave out the compiled path with "
+                    "freeze_weights (its graphs compile at every start: minutes)")
     args = ap.parse_args()
     import torch
     from exspec.models.real_pair import PAIR_DIR
     from exspec.utils.machine import processor_name
     torch.set_num_threads(args.threads)
     target = str(PAIR_DIR / "target")
-    cells = {"eager": build(target, False, False),
-             "compiled, packed head": build(target, True, True)}
+    cells = {"eager": build(target, False, packed=False),
+             "compiled": build(target, True)}
+    if not args.no_frozen:
+        cells["compiled, frozen weights"] = build(target, True, frozen=True)
     if not args.no_packed_head:
-        cells["compiled, plain head"] = build(target, True, False)
+        cells["compiled, plain head"] = build(target, True, packed=False)
     seconds = {(cell, w): [] for cell in cells for w in WIDTHS}
     with torch.inference_mode():
         for round_ in range(args.rounds + 1):   # the first round untimed

@@ -297,7 +297,7 @@ def test_a_draft_of_the_targets_shapes_never_runs_the_targets_graphs(shared_code
     which no guard on the (unguarded) template would stop. Negative control: one code object
     for both, and the draft runs the target's two graphs (its eps ignored)."""
     if shared_code:
-        monkeypatch.setattr(compiled, "_own_code", lambda fn: fn)
+        monkeypatch.setattr(compiled, "_own_code", lambda fn, name=None: fn)
     torch._dynamo.reset()
     before = compiled.dynamo_counts()["graphs"]
     target, _ = build("llama", num_hidden_layers=DEEP)

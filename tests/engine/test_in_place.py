@@ -136,9 +136,9 @@ def test_engines_sharing_a_model_each_run_their_own_compiled_forward(pairs, refe
     both exact."""
     monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")   # which forward runs, not its kernels
     ran = []
-    region = compiled.CompiledForward.region
-    monkeypatch.setattr(compiled.CompiledForward, "region",
-                        lambda self, hidden: ran.append(self) or region(self, hidden))
+    run_region = compiled.CompiledForward.run_region
+    monkeypatch.setattr(compiled.CompiledForward, "run_region",
+                        lambda self, *args: ran.append(self) or run_region(self, *args))
     gather = make_engine(pairs, "llama", "noisy", method="exspec", num_speculative_tokens=2,
                          max_batch_size=2, enforce_eager=False, max_num_kv_tokens=4096)
     flex = LLMEngine(EngineConfig(**{**vars(gather.config), "attention_backend": "FLEX_ATTENTION"}),
