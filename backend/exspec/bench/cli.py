@@ -49,7 +49,6 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import EngineConfig
-from ..kv.blocks import BlockStores
 from ..models.eagle3 import load_head
 from ..models.loading import DTYPES, load_pair
 from ..sampling.sampler import COUPLINGS
@@ -59,7 +58,8 @@ from .equivalence import Reference
 from .flags import at_least, input_file, int_list, model_source, writable
 from .ideal import CostModel
 from .methods import (HF_METHODS, METHODS, PATHS, SPECULATIVE_METHODS, CellKey, EngineMethod, HFModels, Prompt,
-                      Run, make_method, missing_models, model_of, reads_in_place, run_interleaved)
+                      Run, in_place_kv_tokens, make_method, missing_models, model_of, reads_in_place,
+                      run_interleaved)
 from .paths import forward_costs
 # the prompts live in prompt_sets.py; these names stay reachable here (tests, replay.py)
 from .prompt_sets import (PROMPT_SET_NAMES, PROMPT_SETS, chat_of_turns, read_prompts,  # noqa: F401
@@ -427,8 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     sampled = args.temperature > 0
     reference = reference_outputs(args, hf, prompts, sampled, progress)
     # the in_place path's stores have a fixed size: room for every prompt at once, in each model
-    longest = max(len(p.ids) for p in prompts + args.history) + args.max_tokens + args.k + 1
-    args.in_place_kv_tokens = 2 * (len(prompts) + 1) * BlockStores.entries_for(longest)
+    longest = max(len(p.ids) for p in prompts + args.history)
+    args.in_place_kv_tokens = in_place_kv_tokens(len(prompts), longest, args.max_tokens, args.k)
     typical = round(statistics.mean(len(p.ids) for p in prompts) + args.max_tokens / 2)
     costs = CostModel(hf, typical)
 

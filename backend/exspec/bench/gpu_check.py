@@ -57,11 +57,11 @@ from types import SimpleNamespace
 import torch
 
 from .. import SamplingParams
-from ..kv.blocks import BlockStores
 from ..models import compiled
 from ..models.loading import DTYPES, ModelPair, _eos_ids, _max_positions
 from .equivalence import Reference
 from .flags import at_least, int_list, writable
+from . import methods
 from .methods import (CellKey, EngineMethod, HFGenerateMethod, HFModels, Prompt, pad_id_of,
                       run_interleaved)
 
@@ -492,8 +492,7 @@ def in_place_kv_tokens(args) -> int | None:
     store needs a number, room for every prompt at once in both models."""
     if args.device.startswith("cuda"):
         return None
-    longest = PROMPT_LENGTHS[1] + args.max_tokens + args.k + 1
-    return 2 * (args.num_prompts + 1) * BlockStores.entries_for(longest)
+    return methods.in_place_kv_tokens(args.num_prompts, PROMPT_LENGTHS[1], args.max_tokens, args.k)
 
 
 def interleaved(check: Check, entry: dict) -> None:

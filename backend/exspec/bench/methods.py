@@ -14,6 +14,7 @@ import torch
 
 from .. import EngineConfig, LLMEngine, SamplingParams
 from ..config import FLEX_ATTENTION
+from ..kv.blocks import BlockStores
 from ..models.loading import DTYPES, _eos_ids, _max_positions
 from ..speculative import METHODS as PROPOSERS
 
@@ -161,6 +162,12 @@ class Method:
     def run(self, prompts: list[Prompt], max_tokens: int) -> Run:
         """The workload alone, timed."""
         return run_interleaved([self], prompts, max_tokens, self.device)[0]
+
+
+def in_place_kv_tokens(prompts: int, longest_prompt: int, max_tokens: int, k: int) -> int:
+    """The KV budget of an engine reading its store in place on a CPU (a store of fixed size):
+    room for every prompt at once, at its longest, in both models."""
+    return 2 * (prompts + 1) * BlockStores.entries_for(longest_prompt + max_tokens + k + 1)
 
 
 # -- the methods ---------------------------------------------------------------------------------
