@@ -10,7 +10,7 @@ import torch
 import torch._dynamo.utils
 
 from exspec import EngineConfig
-from exspec.models import compiled
+from exspec.models import compiled, packed_linears
 
 from enginekit import make_engine, run_schedule
 from test_compiled import NEW_SHAPE, assert_no_ties, ragged_schedule
@@ -71,7 +71,11 @@ def assert_target_greedy(pairs, reference, prompts, params, outputs, finished) -
 def test_a_restart_reuses_the_compile_cache_and_the_warm_up_says_so(pairs, tmp_path, monkeypatch, caplog):
     """Two starts on one compile cache folder (a restart: Dynamo's in-memory state reset between
     them): the first builds every inductor graph, the second builds none and reuses them all,
-    and each warm-up ends with a line saying so (and where the cache is)."""
+    and each warm-up ends with a line saying so (and where the cache is). The layers' linears go
+    through packed_linears' op (its bar lowered for the tiny pair): an ordinary node of the graph,
+    which the cache keeps (inductor's freezing, which packs weights as constants, it does not)."""
+    monkeypatch.setattr(packed_linears, "PACK_FROM_ELEMENTS", 0)
+    monkeypatch.setattr(packed_linears, "MIN_SAMPLES", 10 ** 9)   # kept whatever the timing
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     summaries = []
     for start in ("cold", "warm"):
@@ -81,6 +85,7 @@ def test_a_restart_reuses_the_compile_cache_and_the_warm_up_says_so(pairs, tmp_p
             engine = make_engine(pairs, "llama", "noisy", method="autoregressive", max_batch_size=2,
                                  enforce_eager=False)
         warm = engine.warm_up
+        assert engine.runner.decode_forwards[engine.target].packed_linears.count > 0
         summaries.append(warm.inductor)
         lines = [r.getMessage() for r in caplog.records if "compiled decode path ready" in r.getMessage()]
         assert lines == [warm.summary()], lines

@@ -88,6 +88,7 @@ from ..kv.blocks import BLOCK_SIZE, row_buckets, table_bucket, table_buckets
 from ..kv.padded import LayerCache
 from ..params import SamplingParams
 from .packed_head import pack_head
+from .packed_linears import PackedLinears, pack_template
 
 # "inductor" generates C++ (CPU) or Triton (GPU) kernels. Dynamo's guards, hence recompiles and
 # graph breaks, mostly do not depend on the backend, so most tests use "eager" (no C++); inductor's
@@ -149,6 +150,7 @@ class CompiledForward:
         # (a CPU and inductor, set once the probe has set the regions)
         self.freeze = freeze
         self.frozen = False
+        self.packed_linears: PackedLinears | None = None   # a CPU: the layers' linears (packed_linears.py)
         # CUDA graphs: inductor's cudagraph trees (mode "reduce-overhead"), see cuda_graph_counts
         options = {"mode": "reduce-overhead"} if cuda_graphs else {}
         if cuda_graphs:   # a graph per shape is the design (static_shapes), not a warning's matter
@@ -197,6 +199,7 @@ class CompiledForward:
         wrappers = ", C++ wrappers" if self.cpp_wrapper else ""
         wrappers += ", weights frozen into a graph per region (oneDNN-packed)" if self.frozen else ""
         head = ", lm_head packed for small batches (oneDNN)" if self.packed_head else ""
+        head += f", {self.packed_linears.describe()}" if self.packed_linears and self.packed_linears.count else ""
         in_place = ", KV read in place (FlexAttention, a graph per query width)" if self.in_place else ""
         return (f"{name}: regional, one graph for its {self.layer_class} layers, {grouping}"
                 f"{wrappers}{head}{in_place}{graphs}")
@@ -344,6 +347,11 @@ class CompiledForward:
         # width static (kv/in_place.py): a function per width, made at its first forward
         self.compiled = {}   # what run_region made: (query width or None, region or None) -> function
         self.template, self.tensor_names = _template_of(self.layers[0])
+        # a CPU: the layers' linears through their oneDNN-packed copies where that is faster
+        # (timed in the warm-up); frozen weights are packed by inductor instead
+        if not self._options and not self.frozen and next(self.model.parameters()).device.type == "cpu":
+            names = pack_template(self.template, self.layers[0])
+            self.packed_linears = PackedLinears(self.layers, names) if names else None
         per = self.layers_per_region
         # each region's tensors, collected once (the engine never moves a loaded model): read
         # through the modules at every call, they cost more than a small region computes
@@ -773,6 +781,8 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | Non
         _build_static_shapes(runner, static, shapes, rounds, bar)
     for model, forward in zip(models, forwards):
         forward.warm = True
+        if forward.packed_linears:   # the products timed in the schedule: each shape's faster from now on
+            forward.packed_linears.settle(type(model).__name__)
         if shapes[model] and (forward.static_shapes or forward.in_place):
             # every width up to k + 1 built, a graph each: a wider forward goes in pieces
             forward.widest = max(width for _, width, _ in shapes[model])
