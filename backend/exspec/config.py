@@ -123,10 +123,6 @@ class EngineConfig:
     attention_backend: str | None = None  # vLLM's name: None reads each row's KV blocks gathered
                                           # (SDPA); "FLEX_ATTENTION" reads the block store in
                                           # place in the compiled decode path (kv/in_place.py)
-    freeze_weights: bool = False          # a CPU's compiled path: verifications (4+ tokens) run
-                                          # graphs with the layers' weights frozen in and packed
-                                          # by oneDNN (compiled.py): cheaper, but those graphs
-                                          # compile at every start (no compile cache)
     enable_prefix_caching: bool = True    # vLLM's name: share full KV blocks of common prefixes
                                           # (engine/prefix_caching.py); where the layout can (the block
                                           # store), else off with a line in the load log
@@ -183,7 +179,6 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         self._check_attention_backend()
-        self._check_freeze_weights()
         if self.draft_stop_confidence not in (None, "auto") and (
                 isinstance(self.draft_stop_confidence, bool)
                 or not isinstance(self.draft_stop_confidence, (int, float))
@@ -218,17 +213,6 @@ class EngineConfig:
             (self.device_map is not None, "no device_map (one device)")) if failed]
         if needs:
             raise ValueError(f"attention_backend {FLEX_ATTENTION!r} needs " + "; ".join(needs))
-
-    def _check_freeze_weights(self) -> None:
-        """Frozen weights are a CPU's compiled block store's (compiled.FROZEN_FROM_WIDTH)."""
-        needs = [why for failed, why in (
-            (self.method != "exspec", "method exspec (the block store, whose warm-up runs a "
-                                      "verification at each row count)"),
-            (self.enforce_eager, "enforce_eager false (frozen weights are the compiled path's)"),
-            (self.device != "cpu", "device cpu (oneDNN's packed weights; a GPU gets CUDA graphs)"))
-            if failed]
-        if self.freeze_weights and needs:
-            raise ValueError("freeze_weights needs " + "; ".join(needs))
 
     def _missing_model(self, declared) -> str:
         """The error of a speculative method without its model: a proposer asked for by name is

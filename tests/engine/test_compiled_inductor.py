@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch._dynamo.utils
 
-from exspec import EngineConfig
 from exspec.models import compiled, packed_linears
 
 from enginekit import make_engine, run_schedule
@@ -111,43 +110,3 @@ def test_the_compile_cache_lives_in_exspecs_cache_folder_unless_one_is_given(tmp
         assert compiled.compile_cache_dir() == ours
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert compiled.compile_cache_dir() == str(tmp_path / "mine")
-
-
-def test_frozen_weights_verify_through_packed_graphs_built_before_ready_and_stay_exact(
-        pairs, reference, caplog):
-    """freeze_weights: a verification of FROZEN_FROM_WIDTH tokens or more runs graphs with the
-    layers' weights frozen in (oneDNN-packed: inductor cannot pickle them, so its FX cache is
-    bypassed for each), built in the warm-up at 1 and 2 rows whatever the proposer proposed
-    there (a lookup proposer's may all be narrower); narrower forwards keep the one graph with
-    the weights as inputs. After READY a ragged schedule (widths 1 .. 4, 1 and 2 rows, aborts)
-    compiles nothing, and every token is the target-only greedy one."""
-    bypassed = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_bypass"]
-    engine = make_engine(pairs, "llama", "independent", method="exspec", max_batch_size=2,
-                         num_speculative_tokens=compiled.FROZEN_FROM_WIDTH - 1, enforce_eager=False,
-                         freeze_weights=True)
-    target = engine.runner.decode_forwards[engine.target]
-    assert target.frozen and "weights frozen" in target.describe()
-    regions = sorted(first for _, first in target.compiled if first is not None)
-    assert regions == list(range(0, len(target.layers), target.layers_per_region)), target.compiled
-    assert (None, None) in target.compiled   # the narrower forwards' one graph
-    # each frozen region's graph at 1 and 2 rows
-    inductor = torch._dynamo.utils.counters["inductor"]
-    assert inductor["fxgraph_cache_bypass"] - bypassed >= 2 * len(regions), dict(inductor)
-    prompts, params, outputs, finished = run_compiling_nothing(engine, pairs, caplog, seed=5, count=6,
-                                                               last_tick=6, max_tokens=12)
-    widths = {s["k"] + 1 for s in engine.stats()["steps_by_shape"]}
-    assert max(widths) >= compiled.FROZEN_FROM_WIDTH > min(widths), widths
-    assert_target_greedy(pairs, reference, prompts, params, outputs, finished)
-
-
-@pytest.mark.parametrize("changes,named", [
-    (dict(enforce_eager=True), "enforce_eager false"),
-    (dict(method="eqspec"), "method exspec"),
-    (dict(device="cuda"), "device cpu"),
-    (dict(freeze_weights="yes"), "freeze_weights must be true or false")])
-def test_a_configuration_that_cannot_freeze_weights_is_refused_naming_it(changes, named):
-    values = dict(target_model="t", draft_model="d", method="exspec", enforce_eager=False,
-                  freeze_weights=True)
-    values.update(changes)
-    with pytest.raises(ValueError, match=named):
-        EngineConfig(**values)

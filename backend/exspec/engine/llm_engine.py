@@ -157,14 +157,12 @@ class LLMEngine:
         # where compiled.STATIC_SHAPES asks, which the tests do to check the warm-up's coverage)
         static = cuda_graphs or (compiled.STATIC_SHAPES and isinstance(self.runner.kv_layout, BlockStores))
         in_place = isinstance(self.runner.kv_layout, BlockStores) and self.runner.kv_layout.in_place
-        # verifications through graphs with the weights frozen in (a CPU's; compiled.py)
-        freeze = self.config.freeze_weights
         forwards = {}
         models = (self.target, *self.proposer.models)
         for model in models:
-            key = (model, cuda_graphs, in_place, freeze)
+            key = (model, cuda_graphs, in_place)
             if key not in self.pair.decode_forwards:
-                self.pair.decode_forwards[key] = compiled.CompiledForward(model, cuda_graphs, in_place, freeze)
+                self.pair.decode_forwards[key] = compiled.CompiledForward(model, cuda_graphs, in_place)
             forwards[model] = self.pair.decode_forwards[key]
             forwards[model].static_shapes = static
         self.runner.decode_forwards = forwards

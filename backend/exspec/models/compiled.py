@@ -95,12 +95,6 @@ from .packed_linears import PackedLinears, pack_template
 # lowering may add shape guards of its own, which tests/engine/test_compiled_inductor.py checks.
 COMPILE_BACKEND = "inductor"
 
-# freeze_weights (a CPU): forwards of this many query tokens and more (a verification) run graphs
-# with the decoder layers' weights frozen in (CompiledForward._compile_regions): from 4 rows on
-# MKL's unpacked sgemm takes a path about twice as dear, while below oneDNN's packed product is
-# the dearer one (real pair, 1 token: 61.6 ms frozen, 54.1 not; 5 tokens: 69.3 against 82.2).
-FROZEN_FROM_WIDTH = 4
-
 # Static shapes (a graph per concrete shape, every one built in the warm-up) are what CUDA graphs
 # need; on a CPU, where inductor's symbolic graphs cover every shape, the tests turn them on to
 # check that the warm-up builds every shape a serving session meets.
@@ -117,7 +111,7 @@ class CompiledForward:
     # room for a few.
     RECOMPILE_LIMIT = 64
 
-    def __init__(self, model, cuda_graphs: bool = False, in_place: bool = False, freeze: bool = False):
+    def __init__(self, model, cuda_graphs: bool = False, in_place: bool = False):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    self.RECOMPILE_LIMIT)
         # No duck shaping: equal sizes at the first compile (two query tokens and two KV heads,
@@ -145,11 +139,6 @@ class CompiledForward:
         self.widest: int | None = None
         self.features: tuple[int, torch.dtype] | None = None   # an EAGLE head's feature input
         self.cpp_wrapper = False   # inductor's C++ wrappers (regions of several layers on a CPU)
-        # freeze_weights (EXSPEC's block store, whose warm-up can run any shape: shapes_to_build):
-        # a verification's forwards run graphs with the layers' weights frozen in where `frozen`
-        # (a CPU and inductor, set once the probe has set the regions)
-        self.freeze = freeze
-        self.frozen = False
         self.packed_linears: PackedLinears | None = None   # a CPU: the layers' linears (packed_linears.py)
         # CUDA graphs: inductor's cudagraph trees (mode "reduce-overhead"), see cuda_graph_counts
         options = {"mode": "reduce-overhead"} if cuda_graphs else {}
@@ -197,7 +186,6 @@ class CompiledForward:
         grouping = (f"{per} layers per region" if per > 1 else
                     "one layer per region" + (f" ({self.why_one_per_region})" if self.why_one_per_region else ""))
         wrappers = ", C++ wrappers" if self.cpp_wrapper else ""
-        wrappers += ", weights frozen into a graph per region (oneDNN-packed)" if self.frozen else ""
         head = ", lm_head packed for small batches (oneDNN)" if self.packed_head else ""
         head += f", {self.packed_linears.describe()}" if self.packed_linears and self.packed_linears.count else ""
         in_place = ", KV read in place (FlexAttention, a graph per query width)" if self.in_place else ""
@@ -254,26 +242,16 @@ class CompiledForward:
 
     def run_region(self, first: int, caches, args, kwargs):
         """Runs the region of layer `first` through its compiled function: one for every
-        region, or for forwards of FROZEN_FROM_WIDTH query tokens or more with frozen weights,
-        one per region; reading in place, one per query width too (a code object each, so that
-        automatic dynamic shapes make only their rows symbolic)."""
-        width = (args[0] if args else kwargs["hidden_states"]).shape[1]
-        frozen = self.frozen and width >= FROZEN_FROM_WIDTH
-        key = (width if self.in_place else None, first if frozen else None)
-        if key not in self.compiled:
-            name = ("_run_layers" + (f"_{width}_wide" if self.in_place else "")
-                    + (f"_from_{first}" if frozen else ""))
-            code = _own_code(_run_frozen if frozen else _run_layers, name)
-            self.compiled[key] = torch.compile(code, dynamic=None if self.in_place else True,
-                                               backend=COMPILE_BACKEND, options=self._compile_options)
-        region = self.compiled[key]
-        tensors = (self.region_weights if frozen else self.region_tensors)[first]
-        if frozen and not self.warm:
-            # Dynamo reads inductor's global switch while it traces (a compile's own options
-            # reach only inductor); after the warm-up nothing compiles
-            with torch._inductor.config.patch(freezing=True):
-                return region(self.template, self.tensor_names, tensors, caches, args, kwargs)
-        return region(self.template, self.tensor_names, tensors, caches, args, kwargs)
+        region; reading in place, one per query width (a code object each, so that automatic
+        dynamic shapes make only their rows symbolic)."""
+        width = (args[0] if args else kwargs["hidden_states"]).shape[1] if self.in_place else None
+        if width not in self.compiled:
+            name = f"_run_layers_{width}_wide" if self.in_place else None
+            self.compiled[width] = torch.compile(_own_code(_run_layers, name),
+                                                 dynamic=None if self.in_place else True,
+                                                 backend=COMPILE_BACKEND, options=self._compile_options)
+        return self.compiled[width](self.template, self.tensor_names, self.region_tensors[first],
+                                    caches, args, kwargs)
 
     def _forward(self, inputs):
         if self.cuda_graphs:
@@ -330,26 +308,17 @@ class CompiledForward:
         options = {"guard_filter_fn": _not_on_modules}
         if self.cpp_wrapper:
             options["cpp_wrapper"] = True
-        # freeze_weights on a CPU: a forward of FROZEN_FROM_WIDTH query tokens or more runs
-        # graphs with the layers' weights as constants (inductor's freezing), which inductor
-        # packs once for oneDNN's matrix products (fused with the activation and the residual
-        # add), so a 5-token verification costs little more than one token. The price: a graph
-        # per region for those widths (so only with at most MAX_REGIONS), and the packed copy of
-        # the layers' weights beside the model's own, which the narrower forwards and prefills use.
-        regions = len(self.layers) // self.layers_per_region
-        self.frozen = (self.freeze and not self._options and COMPILE_BACKEND == "inductor"
-                       and regions <= MAX_REGIONS and next(self.model.parameters()).device.type == "cpu")
         if "mode" in self._options:   # a mode's inductor options, as torch takes one or the other
             from torch._inductor import list_mode_options
             options.update(list_mode_options(self._options["mode"]))
         self._compile_options = options
         # reading in place, inductor's CPU FlexAttention template builds only with the query
         # width static (kv/in_place.py): a function per width, made at its first forward
-        self.compiled = {}   # what run_region made: (query width or None, region or None) -> function
+        self.compiled = {}   # what run_region made: query width (None: any) -> function
         self.template, self.tensor_names = _template_of(self.layers[0])
         # a CPU: the layers' linears through their oneDNN-packed copies where that is faster
-        # (timed in the warm-up); frozen weights are packed by inductor instead
-        if not self._options and not self.frozen and next(self.model.parameters()).device.type == "cpu":
+        # (timed in the warm-up)
+        if not self._options and next(self.model.parameters()).device.type == "cpu":
             names = pack_template(self.template, self.layers[0])
             self.packed_linears = PackedLinears(self.layers, names) if names else None
         per = self.layers_per_region
@@ -359,8 +328,6 @@ class CompiledForward:
             first: tuple(t for layer in self.layers[first:first + per]
                          for t in _layer_tensors(layer, self.tensor_names))
             for first in range(0, len(self.layers), per)}
-        self.region_weights = {first: _RegionWeights(tensors)
-                               for first, tensors in self.region_tensors.items()} if self.frozen else {}
         if self.cuda_graphs:   # weights: static inputs for cudagraph trees (no copy per replay),
             for tensors in self.region_tensors.values():   # guarded by shape, not identity
                 for tensor in tensors:
@@ -462,20 +429,6 @@ def _run_layers(template, names, tensors, caches, args, kwargs):
         own = dict(zip(names, tensors[j * count:(j + 1) * count]))
         out = torch.func.functional_call(template, own, tuple(layer_args), layer_kwargs)
     return out, tuple(inputs)
-
-
-class _RegionWeights(torch.nn.Module):
-    """A region's tensors as a module's parameters (sharing their storage): the form whose
-    tensors inductor's freezing folds into the graph as constants."""
-
-    def __init__(self, tensors: tuple[torch.Tensor, ...]):
-        super().__init__()
-        self.tensors = torch.nn.ParameterList(torch.nn.Parameter(t, requires_grad=False) for t in tensors)
-
-
-def _run_frozen(template, names, weights: _RegionWeights, caches, args, kwargs):
-    """_run_layers with the region's tensors read from its module: frozen into the graph."""
-    return _run_layers(template, names, tuple(weights.tensors), caches, args, kwargs)
 
 
 def layer_input(layer, given):
@@ -661,16 +614,12 @@ def shapes_to_build(forward: CompiledForward, store, max_rows: int, k: int,
                     max_model_len: int) -> list[tuple[int, int, int]]:
     """The shapes the warm-up builds for `forward` after its schedule: with static shapes
     every one (`static_shapes`); reading in place on a CPU each width at 1 .. IN_PLACE_ROWS
-    rows (`CompiledForward.key`); where a verification's widths run graphs with frozen weights,
-    a k + 1 verification at each row count the schedule runs (a lookup proposer's warm-up may
-    propose less); else none (symbolic graphs cover every shape)."""
+    rows (`CompiledForward.key`); else none (symbolic graphs cover every shape)."""
     slots = store.num_blocks * BLOCK_SIZE if forward.in_place else None
     if forward.static_shapes:
         return static_shapes(max_rows, k, max_model_len, slots)
     if forward.in_place:
         return static_shapes(min(max_rows, IN_PLACE_ROWS), k, max_model_len, slots)
-    if forward.freeze and k + 1 >= FROZEN_FROM_WIDTH:
-        return [(rows, k + 1, table_bucket(1) * BLOCK_SIZE) for rows in WARM_UP_ROWS]
     return []
 
 
@@ -783,8 +732,7 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | Non
         forward.warm = True
         if forward.packed_linears:   # the products timed in the schedule: each shape's faster from now on
             forward.packed_linears.settle(type(model).__name__)
-        if shapes[model] and (forward.static_shapes or forward.in_place):
-            # every width up to k + 1 built, a graph each: a wider forward goes in pieces
+        if shapes[model]:   # every width up to k + 1 built: a wider forward goes in pieces
             forward.widest = max(width for _, width, _ in shapes[model])
     after, cache_after = dynamo_counts(), inductor_cache_counts()
     captured = None
