@@ -87,6 +87,7 @@ from ..errors import ModelLoadError
 from ..kv.blocks import BLOCK_SIZE, row_buckets, table_bucket, table_buckets
 from ..kv.padded import LayerCache
 from ..params import SamplingParams
+from ..utils.text_locale import utf8_text
 from .packed_head import pack_head
 from .packed_linears import PackedLinears, pack_template
 
@@ -118,6 +119,7 @@ class CompiledForward:
         # say) would share one symbol, and the graph would hold only while they stay equal
         torch.fx.experimental._config.use_duck_shape = False
         compile_cache_dir()
+        utf8_text()   # inductor reads UTF-8 templates; Triton's stub leaves the C locale (ASCII)
         self.model = model
         self.cuda_graphs = cuda_graphs
         self.active = False   # True while this object runs a forward: the layers dispatch on it
