@@ -2,7 +2,9 @@
 
 Serves SmolLM2-135M-Instruct with the EAGLE-3 head trained for it (else its trained draft;
 exspec.models.real_pair, set up once) as model
-`exspec` on free ports through the launcher, then
+`exspec` on free ports through the launcher, on the compiled decode path (`--path compiled`,
+enforce_eager false: a warm-up before READY, its graphs from the compile cache the engine part
+of `make demo` filled; `--path eager` for Hugging Face's own forward), then
   1. streams each chat question over gRPC (tritonclient), once speculative and once with
      `num_speculative_tokens: 0` (the same server decoding autoregressively), the two
      alternating so both meet the same load: the streamed text, tokens/s, acceptance and the
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from ..models.real_pair import (QUESTIONS, SERVED_NAME, chat_prompt, demo_proposer, ensure_pair,
                                 write_repository)
-from ..serving.launcher import TritonServer
+from ..serving.launcher import ServerNotReady, TritonServer
 from ..serving.openai_frontend import DEFAULT_FRONTEND
 from ..serving.ports import reserve_ports
 
@@ -203,6 +205,34 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 
     raise RuntimeError(f"exspec-openai not ready in {timeout_s:.0f} s (log: {log})")
 
 
+def _start(tmp: Path, pair: Path, args) -> tuple[TritonServer, Path]:
+    """The server on `args.path`, ready; where the compiled path does not load (inductor without
+    a C++ compiler, say), on the eager path, saying why."""
+    proposer = demo_proposer(pair)
+    with_what = "its EAGLE-3 head" if proposer == "eagle3" else "its trained draft"
+    for path in dict.fromkeys((args.path, "eager")):
+        repository = write_repository(tmp / path / "models", pair, proposer, args.k, MODEL,
+                                      compiled=path == "compiled")
+        print(f"starting tritonserver: SmolLM2-135M-Instruct (float32) with {with_what}, "
+              f"the {path} decode path (--path), from {pair} ...", flush=True)
+        started = time.perf_counter()
+        server = TritonServer(repository, free_ports=True, startup_timeout_s=600,
+                              log_path=tmp / path / "tritonserver.log")
+        try:
+            server.start()
+        except ServerNotReady as exc:
+            server.cleanup()
+            if path == "eager":
+                raise
+            print(f"the compiled path did not load here ({str(exc)[-400:]}); serving on the eager "
+                  f"path instead (--path eager)")
+            continue
+        print(f"ready in {time.perf_counter() - started:.1f} s: HTTP {server.urls['http']}, "
+              f"gRPC {server.urls['grpc']}, metrics {server.urls['metrics']}")
+        return server, repository
+    raise AssertionError("unreachable: the eager path's start raises")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m exspec.demo.server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,26 +240,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", type=int, default=4, help="the most speculative tokens per step")
     parser.add_argument("--num-questions", type=int, default=len(DEMO_QUESTIONS),
                         choices=range(1, len(DEMO_QUESTIONS) + 1))
+    parser.add_argument("--path", choices=("compiled", "eager"), default="compiled",
+                        help="the decode path the server runs (enforce_eager false or true)")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
     pair = ensure_pair()
     tokenizer = AutoTokenizer.from_pretrained(pair / "target")
     prompts = [chat_prompt(tokenizer, q) for q in DEMO_QUESTIONS[:args.num_questions]]
     with tempfile.TemporaryDirectory(prefix="exspec-demo-") as tmp:
-        proposer = demo_proposer(pair)
-        repository = write_repository(Path(tmp) / "models", pair, proposer, args.k, MODEL)
-        with_what = "its EAGLE-3 head" if proposer == "eagle3" else "its trained draft"
-        print(f"starting tritonserver: SmolLM2-135M-Instruct (float32) with {with_what}, "
-              f"from {pair} ...", flush=True)
-        started = time.perf_counter()
-        with TritonServer(repository, free_ports=True, startup_timeout_s=600,
-                          log_path=Path(tmp) / "tritonserver.log") as server:
-            print(f"ready in {time.perf_counter() - started:.1f} s: HTTP {server.urls['http']}, "
-                  f"gRPC {server.urls['grpc']}, metrics {server.urls['metrics']}")
+        server, repository = _start(Path(tmp), pair, args)
+        try:
             _grpc_side_by_side(server.urls["grpc"], prompts, args.max_tokens, args.k)
             _curl_stream(server.urls["http"], prompts[-1], args.max_tokens)
             _openai_chat(repository, DEMO_QUESTIONS[0], args.max_tokens)
             print("\nstopping tritonserver ...")
+        finally:
+            server.stop()
+            server.cleanup()
         print("stopped.")
     return 0
 

