@@ -140,8 +140,9 @@ def test_every_share_lies_in_the_unit_interval(bench_run):
             value = cell[key]
             assert value is None or 0.0 <= value <= 1.0, \
                 f"{cell['method']} B={cell['batch_size']} adaptive={cell['adaptive_k']}: {key}={value}"
-        engine = cell["method"] in ENGINE_METHODS   # the engine's own methods have an analytic ideal
-        assert (cell["ideal_share"] is not None and cell["ideal_share"] > 0) == engine, cell
+        # an analytic ideal where its cost model (HF's eager target and draft) is what ran
+        modelled = cell["path"] == "eager" and ENGINE_METHODS.get(cell["method"], ("", ""))[1] == "draft_model"
+        assert (cell["ideal_share"] is not None and cell["ideal_share"] > 0) == modelled, cell
 
 
 def test_speculative_methods_match_the_reference_exactly(bench_run):
@@ -304,6 +305,9 @@ def test_every_decode_path_in_one_run(bench_inputs, monkeypatch):
     # read in place, against the target alone compiled (the path's own cannot read in place)
     assert all(c["speedup_vs_autoregressive"] > 0 for c in results["cells"] if c["path"] == "in_place")
     assert all(c["exact_match_share"] == 1.0 for c in results["cells"]), "a path changed tokens"
+    # no "ideal" from eager forward costs for a compiled run (it came out at 130-260% of it)
+    assert all((c["ideal_tokens_per_s"] is None) == (c["path"] != "eager") for c in results["cells"]
+               if c["method"] in ("autoregressive", "exspec"))
     assert "exspec (adaptive k≤3, compiled, KV read in place)" in (out / "results.md").read_text()
     costs = {(r["model"], r["batch_size"]) for r in results["paths"]["forward_ms"]}
     assert costs == {("draft", 1), ("draft", 8), ("target", 1), ("target", 8)}

@@ -56,7 +56,7 @@ from ..utils.machine import processor_name
 from ..utils.threads import apply_threads, choose_threads
 from .equivalence import Reference
 from .flags import at_least, input_file, int_list, model_source, writable
-from .ideal import CostModel
+from .ideal import CostModel, describes
 from .methods import (HF_METHODS, METHODS, PATHS, SPECULATIVE_METHODS, CellKey, EngineMethod, HFModels, Prompt,
                       Run, in_place_kv_tokens, make_method, missing_models, model_of, reads_in_place,
                       run_interleaved)
@@ -141,7 +141,7 @@ def summarize(key: CellKey, runs: list[Run], reference: Reference,
             cell["realign_share"] = total["time_realign_s"] / total["time_step_s"]
         if total["steps"]:
             cell["equal_length_step_share"] = total["equal_length_steps"] / total["steps"]
-        if row_steps:
+        if row_steps and describes(key.method, key.path):
             ideal = statistics.median(run.tokens / costs.ideal_seconds(run.stats) for run in runs)
             cell["ideal_tokens_per_s"] = ideal
             cell["ideal_share"] = cell["tokens_per_s"] / ideal

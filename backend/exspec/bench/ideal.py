@@ -9,6 +9,15 @@ import torch
 from .methods import HFModels, sync
 
 
+def describes(method: str, path: str) -> bool:
+    """Whether CostModel's forwards are what a run of `method` on `path` runs: Hugging Face's
+    eager target and draft model, so the eager path, and the target alone or the draft model's
+    methods. Not a compiled forward (cheaper: measured runs came out at 130-260% of such an
+    "ideal"), an EAGLE-3 head's drafts or a lookup's (no draft forward at all)."""
+    from .methods import ENGINE_METHODS
+    return path == "eager" and ENGINE_METHODS.get(method, ("", ""))[1] == "draft_model"
+
+
 class CostModel:
     """Median forward costs over a cache of typical length: draft(rows) = one draft forward with
     a 1-token query; target(rows, width) = one target forward at that query width (width 1 = a

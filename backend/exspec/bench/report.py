@@ -255,7 +255,7 @@ def markdown(results: dict, divergences: list[dict]) -> str:
         "× B=1 = vs the same method at batch size 1; exact / prefix = equivalence with "
         f"{reference_name(cfg)}; accepted len = committed tokens per row-step (bonus "
         "included); realign = share of step time spent forming, splitting or realigning groups; "
-        "ideal = analytic ideal from measured forward costs (docs/design.md, \"Definitions\").", "",
+        "ideal = analytic ideal from measured forward costs (docs/design.md, \"Definitions\"; eager path, the target alone and the draft model's methods only: – elsewhere).", "",
         table(results["cells"]), "",
         *paths_section(results.get("paths")),
         "## Speculation against autoregressive", "",
