@@ -9,6 +9,7 @@ ended nothing else serves, and the caller writes the line itself.
 """
 from __future__ import annotations
 
+import logging
 import threading
 
 import triton_python_backend_utils as pb_utils
@@ -35,6 +36,21 @@ class Log:
             write(LogLine(level, text))
         else:
             self.sends.put(LogLine(level, text))
+
+
+class EngineLog(logging.Handler):
+    """The engine's own `exspec` logger (its warm-up summary, a shape compiled after READY,
+    features turned off at load) into Triton's log: every record goes on the send queue, whatever
+    thread logged it, and the send thread writes it (those logged while the model loads, once it
+    starts). Without it they went nowhere: the stub's Python has no logging handler."""
+
+    def __init__(self, sends):
+        super().__init__(logging.INFO)
+        self.sends = sends
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = "error" if record.levelno >= logging.ERROR else "warn" if record.levelno >= logging.WARNING else "info"
+        self.sends.put(LogLine(level, self.format(record)))
 
 
 def write(line: LogLine) -> None:

@@ -20,6 +20,7 @@ response rules).
 from __future__ import annotations
 
 import json
+import logging
 import queue
 
 import triton_python_backend_utils as pb_utils
@@ -30,7 +31,7 @@ from exspec_config import (drain_settings, engine_config, parameter, traffic_rec
 from exspec_engine_thread import EngineThread
 from exspec_intake import INPUTS, Intake
 from exspec_lifecycle import FINALIZE_DRAIN_S, Lifecycle, start_orphan_guard
-from exspec_log import Log
+from exspec_log import EngineLog, Log, write
 from exspec_metrics import Metrics
 from exspec_responses import OUTPUTS
 from exspec_send import SendThread
@@ -65,10 +66,21 @@ class TritonPythonModel:
         unload = self.model_name if unload_when_dead(self.model_config) else None
         vllm_words = vllm_health_check(self.model_config)
         pb_utils.Logger.log_info(f"exspec: loading {config}")
-        self.engine = LLMEngine(config)
-        self.metrics = self._metrics(args)
         self.sends = queue.Queue()   # everything the send thread handles
         self.log = Log(self.sends)
+        self.engine_log = EngineLog(self.sends)
+        engine_logger = logging.getLogger("exspec")
+        engine_logger.addHandler(self.engine_log)
+        if engine_logger.level == logging.NOTSET:   # its info lines too (Python's default: warnings up)
+            engine_logger.setLevel(logging.INFO)
+        try:
+            self.engine = LLMEngine(config)
+        except BaseException:   # what the failed load logged, written here: no send thread will
+            engine_logger.removeHandler(self.engine_log)
+            while not self.sends.empty():
+                write(self.sends.get())
+            raise
+        self.metrics = self._metrics(args)
         self.lifecycle = Lifecycle(*drain_settings(self.model_config), config.tick_timeout_s,
                                    self.log, unload, vllm_words)
         self.engine_thread = EngineThread(self.engine, self.sends, self.lifecycle, self.log)
@@ -120,4 +132,5 @@ class TritonPythonModel:
         self.send_thread.stop(engine_ended)
         if self.traffic is not None:
             self.traffic.close()
+        logging.getLogger("exspec").removeHandler(self.engine_log)
         self.log.info("exspec: finalized")

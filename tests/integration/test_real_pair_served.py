@@ -56,10 +56,13 @@ def target_only(pair):
 
 def test_chat_completion_request_over_grpc_stream(real_server, target_only):
     """Served on the compiled decode path (the repository's enforce_eager false), warmed up in
-    Triton's stub (whose C locale once made inductor's UTF-8 templates fail to load), and
-    exactly the target alone's answer, whose engine here is eager."""
+    Triton's stub (whose C locale once made inductor's UTF-8 templates fail to load), its
+    engine's log lines in Triton's log, and exactly the target alone's answer, whose engine here
+    is eager."""
     log = Path(real_server.log_path).read_text(errors="replace")
     assert "decode path compiled" in log and "layer linears packed by oneDNN" in log, log[-3000:]
+    # the engine's own log lines reach Triton's log (exspec_log.EngineLog): its warm-up summary
+    assert "exspec: compiled decode path ready: compiled" in log, log[-3000:]
     prompt = chat_prompt(target_only["tokenizer"], QUESTION)
     call = grpc_one(real_server.urls["grpc"], SERVED_NAME,
                     **frontend_request(prompt, chat=True, stream=True, max_tokens=64, temperature=0))
