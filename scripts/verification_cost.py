@@ -16,16 +16,18 @@ ratio to one token. A compiled cell warms up first (a cold compile cache: a minu
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 CONTEXT = 96
 WIDTHS = (1, 2, 3, 4, 5)
 
 
-def build(path: str, compiled_path: bool, packed: bool = True, linears: bool = True):
+def build_cell(path: str, compiled_path: bool, packed: bool = True, linears: bool = True, threads: int = 1):
     """One cell's engine, warm, and its target forward (width -> seconds; demo/check_cost.py).
     `packed`: the lm_head packed for small batches; `linears`: the layers' linears through
-    packed copies where the warm-up timed them faster (both the compiled path's default on a CPU)."""
+    packed copies where the warm-up timed them faster (both the compiled path's default on a CPU);
+    `threads`: torch's (the engine sets them: torch_threads)."""
     from exspec import EngineConfig, LLMEngine
     from exspec.demo.check_cost import engine_forward
     from exspec.models import packed_head, packed_linears
@@ -37,7 +39,8 @@ def build(path: str, compiled_path: bool, packed: bool = True, linears: bool = T
     try:
         engine = LLMEngine(EngineConfig(target_model=path, method="exspec", proposer="ngram",
                                         num_speculative_tokens=max(WIDTHS) - 1, max_batch_size=1,
-                                        adaptive_k=False, enforce_eager=not compiled_path))
+                                        adaptive_k=False, enforce_eager=not compiled_path,
+                                        torch_threads=threads))
     finally:
         packed_head.packable, packed_linears.PACK_FROM_ELEMENTS = real, bar
     return engine_forward(engine, CONTEXT)
@@ -55,8 +58,8 @@ def main() -> None:
     import torch
     from exspec.models.real_pair import PAIR_DIR
     from exspec.utils.machine import processor_name
-    torch.set_num_threads(args.threads)
     target = str(PAIR_DIR / "target")
+    build = functools.partial(build_cell, threads=args.threads)
     cells = {"eager": build(target, False, packed=False),
              "compiled": build(target, True)}
     if not args.no_unpacked:
