@@ -49,7 +49,8 @@ class EngineLog(logging.Handler):
         self.sends = sends
 
     def emit(self, record: logging.LogRecord) -> None:
-        level = "error" if record.levelno >= logging.ERROR else "warn" if record.levelno >= logging.WARNING else "info"
+        level = ("error" if record.levelno >= logging.ERROR else
+                 "warn" if record.levelno >= logging.WARNING else "info")
         self.sends.put(LogLine(level, self.format(record)))
 
 
