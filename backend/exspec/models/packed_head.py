@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import torch
 
-# the batch size oneDNN packs for: a verification's k + 1 rows at the default k (any row count
-# runs; this one is the fastest)
-PACKED_FOR_ROWS = 5
+from .packed_linears import pack, packed_product
 
 
 def packable(model) -> bool:
@@ -41,16 +39,13 @@ class PackedHead:
         self.active = active
         self.out_features = head.out_features
         self.calls = 0   # forwards through the packed weight
-        with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(head.weight.detach(), PACKED_FOR_ROWS)
+        self.packed = pack(head.weight)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.active() or torch.is_grad_enabled():
             return self.eager(hidden)
         self.calls += 1
-        rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-        logits = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
-        return logits.view(*hidden.shape[:-1], self.out_features)
+        return packed_product(hidden, self.packed, None, self.out_features)
 
 
 def pack_head(model, active) -> bool:

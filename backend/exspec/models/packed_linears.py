@@ -71,6 +71,19 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] packed once by oneDNN for PACKED_FOR_ROWS-row products."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    """x @ weight.T (+ bias) through `pack(weight)`, for any leading shape of x."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], out_features)
+
+
 class PackedLinear(torch.nn.Linear):
     """An nn.Linear whose forward is the op (the class of a compiled template's linears)."""
 
@@ -103,8 +116,7 @@ class PackedLinears:
                     weight = layer.get_submodule(name).weight
                     if weight.data_ptr() in _PACKS:   # another engine's compiled path of this model
                         continue
-                    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
-                    _PACKS[weight.data_ptr()] = _Packed(weakref.ref(weight), packed, self)
+                    _PACKS[weight.data_ptr()] = _Packed(weakref.ref(weight), pack(weight), self)
                     weakref.finalize(weight, _PACKS.pop, weight.data_ptr(), None)
                     self.count += 1
 
@@ -118,8 +130,7 @@ class PackedLinears:
             start = time.perf_counter()
         if use:
             self.calls += 1
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, size).contiguous(), packed, bias,
-                                                     "none", [], "").view(*x.shape[:-1], weight.shape[0])
+            out = packed_product(x, packed, bias, weight.shape[0])
         else:
             out = F.linear(x, weight, bias)
         if self.calibrating:
