@@ -1,5 +1,5 @@
 """One real tritonserver for the client and load tests: the tiny seeded Llama pair (exspec.demo.tiny)
-as model `exspec`, plus the repository's BLS front model `exspec_unary`, started through the
+as model `exspec` (and as `exspec_slow`, its ticks slowed, for the timeout tests), plus the repository's BLS front model `exspec_unary`, started through the
 launcher on free loopback ports. Metric helpers come from the integration suite's serverkit."""
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ def _integration_helpers():
 _helpers = _integration_helpers()
 scrape, wait_for = _helpers.scrape, _helpers.wait_for
 ENGINE = {**_helpers.MODELS["exspec"], "max_num_seqs": 32}
+# The same engine with every tick 50 ms or longer: a request of 400 tokens takes seconds on any
+# machine, so the timeout and cancellation tests do not race the tiny model's speed (at
+# ~1 ms a tick a 400-token request could finish inside a 0.5 s timeout).
+SLOW_MODEL = "exspec_slow"
+SLOW_ENGINE = {**ENGINE, "fault_injection": {"tick_delay_s": 0.05}}
 PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "The quick brown fox",
            "import os\nimport sys\n", "hello world, hello", "class Engine:\n"]
 
@@ -44,6 +49,7 @@ def build_repository(root: Path) -> Path:
     pair = save_pair(root / "pair", tokenizer, target, noisy_copy(target, 12, scale=0.05))
     repo = root / "models"
     write_model(repo, "exspec", pair, ENGINE)
+    write_model(repo, SLOW_MODEL, pair, SLOW_ENGINE)
     copy_unary(repo)
     return repo
 

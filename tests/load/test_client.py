@@ -6,13 +6,14 @@ import asyncio
 import pytest
 
 from exspec_client import AsyncClient, Client, ExspecError, ExspecTimeout
+from loadkit import SLOW_MODEL
 
 PROMPT = "def add(a, b):\n"
 PROTOCOLS = ("grpc", "http")
 
 
-def client(server, protocol) -> Client:
-    return Client(server.urls[protocol], protocol=protocol, model="exspec", timeout_s=60)
+def client(server, protocol, model: str = "exspec") -> Client:
+    return Client(server.urls[protocol], protocol=protocol, model=model, timeout_s=60)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -52,7 +53,8 @@ def test_server_error_carries_the_servers_message(load_server, protocol):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_leaving_the_loop_cancels_on_the_server(load_server, metrics, protocol):
     before = metrics.outcomes()["cancelled"]
-    with client(load_server, protocol).stream(PROMPT, max_tokens=400, ignore_eos=True) as gen:
+    with client(load_server, protocol, SLOW_MODEL).stream(PROMPT, max_tokens=400,
+                                                          ignore_eos=True) as gen:
         for _ in gen:
             break
     metrics.wait_outcome("cancelled", before + 1)
@@ -63,8 +65,8 @@ def test_leaving_the_loop_cancels_on_the_server(load_server, metrics, protocol):
 def test_timeout_raises_and_cancels(load_server, metrics, protocol):
     before = metrics.outcomes()["cancelled"]
     with pytest.raises(ExspecTimeout):
-        client(load_server, protocol).generate(PROMPT, max_tokens=400, ignore_eos=True,
-                                               timeout_s=0.5)
+        client(load_server, protocol, SLOW_MODEL).generate(PROMPT, max_tokens=400,
+                                                           ignore_eos=True, timeout_s=0.5)
     metrics.wait_outcome("cancelled", before + 1)
     metrics.wait_pool_empty()
 
