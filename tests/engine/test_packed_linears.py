@@ -73,7 +73,7 @@ def test_where_every_shape_chose_mkl_the_copies_go_and_with_their_weight_anyway(
     owner.samples[6, 256, 256, False] = [1.0] * packed_linears.MIN_SAMPLES
     owner.settle("Layer")
     assert owner.chosen == {(6, 256, 256): False} and address not in packed_linears._PACKS
-    assert owner.describe() == ""
+    assert owner.describe() == "" and owner.bytes == 0
     layer = Layer()   # a weight freed drops its copy: no later weight at its address meets it
     PackedLinears([layer], ["proj"])
     address = layer.proj.weight.data_ptr()
@@ -97,8 +97,11 @@ def test_an_inductor_engine_serves_through_packed_linears_exactly_and_compiles_n
     assert all(type(m) is PackedLinear for m in target.template.modules() if isinstance(m, torch.nn.Linear))
     owner = target.packed_linears
     assert owner.count == len(target.layers) * 7 and not owner.calibrating   # q k v o gate up down
-    assert "layer linears packed by oneDNN" in target.describe()
-    assert any("layer linears packed by oneDNN" in r.getMessage() for r in caplog.records)
+    # the copies' memory, said where an operator sizes the pod: the weights' own size
+    assert owner.bytes == sum(m.weight.nbytes for layer in target.layers for m in layer.modules()
+                              if type(m) is torch.nn.Linear)
+    assert f"layer linears packed by oneDNN ({owner.count} weights, {owner.size()} of copies" in target.describe()
+    assert any(f"{owner.size()} of copies" in r.getMessage() for r in caplog.records)
     calls = owner.calls
     prompts, params, outputs, finished = run_compiling_nothing(engine, pairs, caplog, seed=5, count=6,
                                                                last_tick=6, max_tokens=12)

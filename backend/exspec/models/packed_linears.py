@@ -110,6 +110,7 @@ class PackedLinears:
         self.samples: dict[tuple[int, int, int, bool], list[float]] = defaultdict(list)
         self.calls = 0   # products through a packed copy
         self.count = 0
+        self.bytes = 0   # the copies' memory (their weights' size): what the packing costs
         with torch.no_grad():
             for layer in layers:
                 for name in names:
@@ -119,6 +120,7 @@ class PackedLinears:
                     _PACKS[weight.data_ptr()] = _Packed(weakref.ref(weight), pack(weight), self)
                     weakref.finalize(weight, _PACKS.pop, weight.data_ptr(), None)
                     self.count += 1
+                    self.bytes += weight.nbytes
 
     def run(self, x, weight, bias, packed) -> torch.Tensor:
         size = x.shape[-1]
@@ -149,11 +151,11 @@ class PackedLinears:
                 rows[key[0]][0] += statistics.median(packed)
                 rows[key[0]][1] += statistics.median(plain)
         self.samples.clear()
-        count, unused = self.count, self.chosen and not any(self.chosen.values())
+        count, size, unused = self.count, self.size(), self.chosen and not any(self.chosen.values())
         if unused:
             self.release()
-        log.info("exspec: %s: layer linears packed by oneDNN (%d weights%s), timed in the warm-up "
-                 "(medians summed over its matrix shapes): %s", name, count,
+        log.info("exspec: %s: layer linears packed by oneDNN (%d weights, %s of copies%s), timed "
+                 "in the warm-up (medians summed over its matrix shapes): %s", name, count, size,
                  "; dropped: MKL's product was the faster at every shape" if unused else "",
                  ", ".join(f"{r} rows: packed {1e6 * p:.0f} us, MKL {1e6 * q:.0f} us"
                            for r, (p, q) in sorted(rows.items())) or "nothing timed")
@@ -162,12 +164,16 @@ class PackedLinears:
         """Drop this model's packed copies (the op then runs MKL's product)."""
         for address in [a for a, entry in _PACKS.items() if entry.owner is self]:
             del _PACKS[address]
-        self.count = 0
+        self.count = self.bytes = 0
 
     def describe(self) -> str:
         chosen = sorted({rows for (rows, _, _), packed in self.chosen.items() if packed})
-        return (f"layer linears packed by oneDNN ({self.count} weights"
+        return (f"layer linears packed by oneDNN ({self.count} weights, {self.size()} of copies"
                 + (f"; packed at {chosen} rows" if self.chosen else "") + ")") if self.count else ""
+
+    def size(self) -> str:
+        mib = self.bytes / 2**20
+        return f"{mib:.1f} MiB" if mib < 10 else f"{mib:.0f} MiB"
 
 
 def pack_template(template, layer) -> list[str]:
