@@ -232,8 +232,8 @@ def test_the_head_drafts_what_it_computes_offline_after_steps_on_suffix_decoding
     plans = []
     plan = HybridProposer.plan
 
-    def planning(self, runner, seqs, k, width_for=None):
-        plans.append(plan(self, runner, seqs, k, width_for))
+    def planning(self, runner, seqs, k, pricing=None):
+        plans.append(plan(self, runner, seqs, k, pricing))
         return plans[-1]
 
     monkeypatch.setattr(HybridProposer, "plan", planning)

@@ -336,9 +336,9 @@ def test_a_probe_after_plain_steps_verifies_proposals_whole():
     scheduler = Scheduler(config, NgramProposer(2, 3))
     group = Group([], None, None)
     group.k = 3
-    assert scheduler.width_for(group) is not None
+    assert scheduler.pricing(group) is not None
     group.k = 0
-    assert scheduler.width_for(group) is None
+    assert scheduler.pricing(group) is None
 
 
 def test_proposals_are_priced_by_their_own_length():

@@ -162,6 +162,9 @@ class AdaptiveK:
         return [(r + self.PRIOR_ROWS * h) / (v + self.PRIOR_ROWS) for v, r, h in
                 zip(self.proposed_verified[length - 1], self.proposed_rejected[length - 1], pooled)]
 
+    def pricing(self, batch: int) -> "StepPricing":
+        return StepPricing(self, batch)
+
     def width(self, batch: int, lengths: list[int]) -> int:
         """The verified width for proposals of these lengths (per row; a lookup proposer's)
         that commits the most tokens per second: at width w row r commits 1 + S_1 + ... +
@@ -294,3 +297,15 @@ class AdaptiveK:
                 self.proposed_verified[length - 1][j] += 1.0
             if a < n:
                 self.proposed_rejected[length - 1][a] += 1.0
+
+
+class StepPricing:
+    """Adaptive k's prices for one group's next step, handed to the proposer's `plan`: what a
+    host proposer's proposals are cut to (`width`)."""
+
+    def __init__(self, adaptive: AdaptiveK, batch: int):
+        self.adaptive, self.batch = adaptive, batch
+
+    def width(self, lengths: list[int]) -> int:
+        """The verified width that pays for proposals of these lengths (AdaptiveK.width)."""
+        return self.adaptive.width(self.batch, lengths)

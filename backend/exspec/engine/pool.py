@@ -226,7 +226,7 @@ class SequencePool:
             start = time.perf_counter()
             catch_up, drafting = (self.stats.phase_seconds(p) for p in ("prefill", "draft"))
             result = self.runner.step(group, k, self.scheduler.stop_for(group, k),
-                                      self.scheduler.width_for(group))
+                                      self.scheduler.pricing(group))
             # the step's cost at this k, without a one-off draft catch-up prefill
             seconds = time.perf_counter() - start - (self.stats.phase_seconds("prefill") - catch_up)
             self.scheduler.observe(group, k, result, seconds, self.stats.phase_seconds("draft") - drafting)

@@ -311,13 +311,13 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, group: Group, k: int, stop=None, width_for=None) -> StepResult:
+    def step(self, group: Group, k: int, stop=None, pricing=None) -> StepResult:
         """One speculative step at k (0: plain): propose, verify, accept, commit. `stop`
         (draft_stop.RoundStop): where the round of drafts may end early; with it the drafts'
         confidences are measured (a host read per draft token) and their bins returned.
-        `width_for`: proposal lengths known on the host -> the width to verify (AdaptiveK.width)."""
+        `pricing` (adaptive_k.StepPricing): what the proposer's plan is priced by, or None."""
         seqs, state = group.seqs, group.proposer_state
-        plan = self.proposer.plan(self, seqs, k, width_for)
+        plan = self.proposer.plan(self, seqs, k, pricing)
         inputs = self._upload_step_inputs(group, plan)
         rows = group.sampling
         coupled = self._coupled(rows)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..config import EngineConfig
 from ..spec.draft_stop import DraftStop
 from ..spec.proposer import Proposer
-from .adaptive_k import AdaptiveK
+from .adaptive_k import AdaptiveK, StepPricing
 from .group import Group
 from .prefix_caching import PrefixCaching
 from .sequence import Sequence
@@ -146,13 +146,13 @@ class Scheduler:
             k = self.adaptive.choose(group, k, self.per_step)
         return k
 
-    def width_for(self, group: Group):
-        """How a step prices proposals known before it (AdaptiveK.width), or None: fixed k, or
-        the first speculative step after a plain one (adaptive k's probe: it is there to measure,
+    def pricing(self, group: Group) -> StepPricing | None:
+        """How a step prices what its proposer plans (StepPricing), or None: fixed k, or the
+        first speculative step after a plain one (adaptive k's probe: it is there to measure,
         so it verifies the proposals whole)."""
         if self.adaptive is None or group.k == 0:
             return None
-        return lambda lengths: self.adaptive.width(len(group), lengths)
+        return self.adaptive.pricing(len(group))
 
     def stop_for(self, group: Group, k: int):
         """The step's draft stop (draft_stop.RoundStop; None: no stop)."""

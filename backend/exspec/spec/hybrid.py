@@ -140,7 +140,7 @@ class HybridProposer(Proposer):
         """Suffix decoding's expected kept tokens: its score times what it has kept per score."""
         return score * self._row(row).suffix.rate(0, self.suffix_kept.rate(0))
 
-    def plan(self, runner: Runner, seqs, k: int, width_for=None) -> Plan:
+    def plan(self, runner: Runner, seqs, k: int, pricing=None) -> Plan:
         self._plan, self._seqs = None, list(seqs)
         if k == 0:
             return Plan(0, [0] * len(seqs))

@@ -72,7 +72,7 @@ class LookupProposer(Proposer):
                 budget, indexed = budget - done, indexed + done
         runner.stats.add("indexed_tokens", indexed)
 
-    def plan(self, runner: Runner, seqs, k: int, width_for=None) -> Plan:
+    def plan(self, runner: Runner, seqs, k: int, pricing=None) -> Plan:
         if k == 0:
             return Plan(0, [0] * len(seqs))
         self.index_rows(runner, seqs, k)
@@ -82,8 +82,8 @@ class LookupProposer(Proposer):
             proposals = [p if s.grammar is None else p[:s.grammar.valid_prefix(p)]
                          for s, p in zip(seqs, proposals)]
         width, lengths = max(map(len, proposals)), [len(p) for p in proposals]
-        if width and width_for is not None:   # priced: what pays of the rows' proposals
-            width = width_for(lengths)
+        if width and pricing is not None:   # priced: what pays of the rows' proposals
+            width = pricing.width(lengths)
             runner.stats.add("cut_proposal_tokens", sum(max(0, len(p) - width) for p in proposals))
             proposals = [p[:width] for p in proposals]
         if width == 0:   # no row found a match, or none that pays: a plain step

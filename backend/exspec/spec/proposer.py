@@ -23,7 +23,7 @@ calls them), `from_config` builds it; spec/registry.py lists the classes and is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -47,6 +47,13 @@ class Row(Protocol):
     @property
     def pending_token(self) -> int: ...
     def drafts_at(self, k: int) -> int: ...
+
+
+class Pricing(Protocol):
+    """What a step's plan is priced by (adaptive k's: engine/adaptive_k.StepPricing)."""
+
+    def width(self, lengths: list[int]) -> int:
+        """The verified width that pays for host proposals of these lengths."""
 
 
 @dataclass
@@ -194,10 +201,9 @@ class Proposer:
         """Feed prompt tokens (`ragged`: ids, positions, validity, counts, as the target got them)."""
 
     def plan(self, runner: Runner, seqs: list[Row], k: int,
-             width_for: Callable[[list[int]], int] | None = None) -> Plan:
-        """The step's width and caps; a host proposer proposes here, and with `width_for`
-        (adaptive k's pricing of the rows' proposal lengths) keeps each proposal to the width
-        it returns."""
+             pricing: Pricing | None = None) -> Plan:
+        """The step's width and caps; a host proposer proposes here, and with `pricing`
+        (adaptive k's) keeps each proposal to the width that pays (`pricing.width`)."""
         width = k if self.proposes else 0
         return Plan(width, [s.drafts_at(width) for s in seqs])
 
