@@ -742,6 +742,13 @@ def test_step_cost_measures_widths_as_ratios_at_the_moments_speed():
     for k, seconds in ((3, 2.0), (3, 2.0), (0, 1.0), (0, 1.0), (1, 2.2), (1, 2.2)):
         other.observe(4, k, seconds, 0.0)
     assert other.fit(4) == pytest.approx((1.1, 0.0)) and other.relative(4, 5) == pytest.approx(2.1)
+    # a draft forward's price comes from the steps that drafted; a step at k that drafted
+    # nothing (a hybrid's step on suffix decoding alone) leaves it, and is priced without it
+    drafted = StepCost()
+    for seconds, drafting in ((2.0, 0.4), (2.0, 0.4), (1.6, 0.0)):
+        drafted.observe(2, 4, seconds, drafting)
+    assert drafted.buckets[2].draft == pytest.approx(0.1), "a step without drafts is no draft's price"
+    assert drafted.seconds(2, 4) - drafted.seconds(2, 4, drafts=0) == pytest.approx(0.4)
 
 
 def test_step_cost_keeps_a_widths_own_price_where_it_stands_out_from_the_line():

@@ -112,13 +112,14 @@ class StepCost:
         it borrows from (`donor`)."""
         return self.priced(bucket) or self.donor(bucket) is not None
 
-    def seconds(self, batch: int, k: int) -> float | None:
-        """A step's estimated seconds at k; None before any step was measured."""
+    def seconds(self, batch: int, k: int, drafts: int | None = None) -> float | None:
+        """A step's estimated seconds at k with `drafts` draft forwards (k of them unless
+        told); None before any step was measured."""
         b = self.nearest(batch)
         if b is None:
             return None
         costs = self.buckets[b]
-        return costs.level * self.relative(b, k) + k * (costs.draft or 0.0)
+        return costs.level * self.relative(b, k) + (k if drafts is None else drafts) * (costs.draft or 0.0)
 
     def relative(self, bucket: int, k: int) -> float:
         """A step at k besides its drafts, in plain steps at this bucket: its own median shrunk
@@ -209,7 +210,9 @@ class StepCost:
         """A step at k (0: plain) took `seconds`, `draft_seconds` of them drafting."""
         costs = self.buckets.setdefault(self.bucket(batch), Bucket())
         rest = max(seconds - draft_seconds, 1e-9)
-        if k > 0:
+        # a step that drafted nothing (a hybrid's step on suffix decoding alone) says nothing of
+        # a draft's price; counted as free it pulled the price toward 0
+        if k > 0 and draft_seconds > 0:
             per_draft = draft_seconds / k
             costs.draft = per_draft if not costs.draft else self._toward(costs.draft, per_draft)
         if k not in costs.seen:   # a width's first step here runs cold: it teaches nothing
