@@ -54,7 +54,7 @@ def test_each_row_takes_the_source_expected_to_keep_more():
     assert plan.caps == [4, 4]
     # the rule: suffix decoding's calibrated score against the head's expected kept at the cap
     assert hybrid.suffix_expected(REPEATS, plan.scores[0]) > hybrid.head_expected(REPEATS, 4)
-    assert hybrid.chosen == {"suffix": 1, "head": 1}
+    assert hybrid.chosen == {"suffix": 1, "head": 1, "plain": 0}
     # a row on suffix decoding alone: the step verifies its proposal's width, not k
     assert hybrid.plan(RUNNER, [REPEATS], 4).width == 4
     assert hybrid.plan(RUNNER, [REPEATS], 3).width == 3
@@ -83,11 +83,49 @@ def test_a_row_seen_to_keep_suffix_proposals_while_the_head_misses_stays_on_suff
     assert hybrid.plan(RUNNER, [REPEATS], 4).suffix == [[7, 8, 9, 5]]
 
 
+class _Prices:
+    """Adaptive k's prices as the plan reads them: a verification 1 s plus 0.1 s a column, and
+    `draft` seconds a draft forward."""
+
+    def __init__(self, draft: float):
+        self.draft = draft
+
+    def width(self, lengths):
+        return max(lengths)
+
+    def seconds(self, width, drafts):
+        return 1.0 + 0.1 * width + self.draft * drafts
+
+
+def test_where_drafts_cost_more_than_they_add_the_step_runs_on_suffix_decoding_alone():
+    """REPEATS takes suffix decoding, UNSEEN the head. With drafts cheap the head drafts (a
+    mixed step at k); priced dear (a draft forward as dear as the verification) the step
+    verifies REPEATS' proposal alone and UNSEEN its pending token: no drafts, width 4, UNSEEN's
+    cap 0. A row whose weaker suffix proposal lost to the head takes it in such a step."""
+    mixed = _hybrid().plan(RUNNER, [REPEATS, UNSEEN], 4, _Prices(draft=0.0))
+    assert mixed.drafts and mixed.caps == [4, 4] and mixed.suffix == [[7, 8, 9, 5], []]
+    hybrid = _hybrid()
+    alone = hybrid.plan(RUNNER, [REPEATS, UNSEEN], 4, _Prices(draft=1.5))
+    assert not alone.drafts and alone.width == 4 and alone.caps == [4, 0]
+    assert alone.tokens == [[7, 8, 9, 5], []] and hybrid.chosen == {"suffix": 1, "head": 0, "plain": 1}
+    # the head expected to keep everything: REPEATS' sure proposal loses to it row by row, yet
+    # with drafts dear the step verifies that proposal rather than draft
+    keen = _hybrid()
+    keen.head_expected = lambda row, cap: float(cap)
+    assert keen.plan(RUNNER, [REPEATS], 4, _Prices(draft=0.0)).suffix == [[]]
+    alone = keen.plan(RUNNER, [REPEATS], 4, _Prices(draft=10.0))
+    assert alone.tokens == [[7, 8, 9, 5]] and not alone.drafts and alone.offered == [[]]
+    # nothing for suffix decoding to verify: the head drafts whatever it costs
+    assert _hybrid().plan(RUNNER, [UNSEEN], 4, _Prices(draft=10.0)).drafts
+
+
 def test_a_constrained_row_always_takes_the_heads_drafts():
     hybrid = _hybrid()
     row = StandaloneRow(list(REPEATS.tokens), 22)
     row.grammar = object()   # its masks follow the head's drafts (hybrid.py)
     assert hybrid.plan(RUNNER, [row], 4).suffix == [[]]
+    # and its group drafts however dear drafts are priced
+    assert hybrid.plan(RUNNER, [REPEATS, row], 4, _Prices(draft=10.0)).drafts
 
 
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])
@@ -125,6 +163,40 @@ def test_model_json_takes_the_hybrid_with_vllms_eagle3_and_suffix_keys():
     config = EngineConfig(target_model="/t", draft_model="/h", proposer="eagle3_suffix",
                           suffix_decoding_max_tree_depth=16)
     assert config.speculative_config.suffix_decoding_max_tree_depth == 16
+
+
+def _alone_every_other_step(monkeypatch):
+    """The priced choice forced: every other step runs on suffix decoding alone (rows without a
+    proposal verify nothing, a step where none has one is plain), the others as the rows chose."""
+    calls = []
+
+    def alone(*args):
+        calls.append(len(calls) % 2 == 0)
+        return calls[-1]
+    monkeypatch.setattr(HybridProposer, "_alone_pays", staticmethod(alone))
+    return calls
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_steps_on_suffix_decoding_alone_beside_rows_that_verify_nothing_stay_exact(
+        pairs, reference, seeded_reference, monkeypatch, method):
+    """Steps priced to run on suffix decoding alone, in turn with mixed ones: greedy rows are
+    the target's greedy output and seeded rows its seeded output, at batch 4 with prompts asked
+    again; some row-steps verified nothing beside rows that verified suffix proposals."""
+    calls = _alone_every_other_step(monkeypatch)
+    case = ("eagle3_suffix", *eagle3_suffix(pairs, None))
+    _, target, _, prompts = case
+    engine = engine_for(pairs, case, method, max_batch_size=4)
+    outs = engine.generate(prompts + prompts[:4], SamplingParams(max_tokens=32))
+    assert_equivalent(outs, prompts + prompts[:4], [32] * (len(prompts) + 4), reference, target, 256,
+                      f"hybrid alone {method}")
+    chosen = engine.proposer.chosen
+    assert chosen["suffix"] > 0 and chosen["head"] > 0 and chosen["plain"] > 0 and any(calls), chosen
+    params = seeded(8, max_tokens=24)
+    outs = engine.generate(prompts[:8] + prompts[:8], params + params)
+    rows = [(f"row {i}", p, sp, o.token_ids, True)
+            for i, (o, p, sp) in enumerate(zip(outs, prompts[:8] + prompts[:8], params + params))]
+    assert_seeded_equivalent(rows, seeded_reference, target, label=f"hybrid alone seeded {method}")
 
 
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])

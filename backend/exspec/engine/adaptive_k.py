@@ -301,7 +301,8 @@ class AdaptiveK:
 
 class StepPricing:
     """Adaptive k's prices for one group's next step, handed to the proposer's `plan`: what a
-    host proposer's proposals are cut to (`width`)."""
+    host proposer's proposals are cut to (`width`), and a step's seconds at a width with so
+    many draft forwards (`seconds`: the hybrid weighs drafting against suffix decoding alone)."""
 
     def __init__(self, adaptive: AdaptiveK, batch: int):
         self.adaptive, self.batch = adaptive, batch
@@ -309,3 +310,8 @@ class StepPricing:
     def width(self, lengths: list[int]) -> int:
         """The verified width that pays for proposals of these lengths (AdaptiveK.width)."""
         return self.adaptive.width(self.batch, lengths)
+
+    def seconds(self, width: int, drafts: int) -> float | None:
+        """A step's estimated seconds verifying `width` drafts after `drafts` draft forwards;
+        None before this group's batch size has a price."""
+        return self.adaptive.costs.seconds(self.batch, width, drafts)

@@ -102,7 +102,8 @@ class HybridProposer(Proposer):
         self.head = Rates(0.6, 4.0, 0.98)
         self.suffix_kept = Rates(1.0, 4.0, 0.98)
         self.rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.chosen = {"suffix": 0, "head": 0}   # row-steps per source
+        # row-steps per source (plain: nothing to verify, in a step without drafts)
+        self.chosen = {"suffix": 0, "head": 0, "plain": 0}
         self.choice_seconds = 0.0                # host time spent choosing (its share of a step)
         self._plan: HybridPlan | None = None
         self._seqs: list = []
@@ -147,24 +148,53 @@ class HybridProposer(Proposer):
         self.suffix.index_rows(runner, seqs, k)
         start = time.perf_counter()
         suffix, offered, caps, scores = [], [], [], []
+        mixed, alone = 0.0, 0.0   # tokens the step is expected to commit: per row / suffix alone
         for s in seqs:
             cap = s.drafts_at(k)
             tokens, score = ([], 0.0) if s.grammar is not None or cap == 0 else \
                 self.suffix.propose_scored(s, cap)
-            take = bool(tokens) and self.suffix_expected(s, score) > self.head_expected(s, cap)
+            from_suffix = self.suffix_expected(s, score) if tokens else 0.0
+            from_head = self.head_expected(s, cap)
+            take = bool(tokens) and from_suffix > from_head
             suffix.append(tokens if take else [])
             offered.append([] if take else tokens)
             caps.append(len(tokens) if take else cap)
             scores.append(score)
-            self.chosen["suffix" if take else "head"] += 1
-        # every row on suffix decoding: its longest proposal is the step's width, and the model
-        # does not draft
-        every = all(suffix)
-        width = max(map(len, suffix)) if every else k
-        self._plan = HybridPlan(width, caps, suffix if every else None, suffix=suffix,
+            mixed += 1.0 + (from_suffix if take else from_head)
+            alone += 1.0 + from_suffix
+        if not all(suffix) and self._alone_pays(seqs, suffix, offered, k, mixed, alone, pricing):
+            # the rows on the head take their suffix proposals, or verify nothing, and the
+            # model does not draft: its drafts were expected to add less than they cost
+            suffix = [t or o for t, o in zip(suffix, offered)]
+            offered, caps = [[] for _ in seqs], [len(t) for t in suffix]
+        # no row on the head (a row with nothing to verify is not): the longest proposal is
+        # the step's width, and the model does not draft
+        drafts = not all(t or not c for t, c in zip(suffix, caps))
+        for t, c in zip(suffix, caps):
+            self.chosen["suffix" if t else "head" if drafts else "plain"] += 1
+        width = k if drafts else max(map(len, suffix))
+        if width == 0:   # nothing to verify (every row at its last token): a plain step
+            self.choice_seconds += time.perf_counter() - start
+            return Plan(0, [0] * len(seqs))
+        self._plan = HybridPlan(width, caps, None if drafts else suffix, suffix=suffix,
                                 offered=offered, starts=[s.num_tokens for s in seqs], scores=scores)
         self.choice_seconds += time.perf_counter() - start
         return self._plan
+
+    @staticmethod
+    def _alone_pays(seqs, suffix, offered, k: int, mixed: float, alone: float, pricing) -> bool:
+        """Whether the step commits more tokens a second on suffix decoding alone (each row's
+        proposal, none where it has none; no drafts) than with the head drafting for the rows
+        that chose it: at B = 8 one row on the head makes every row pay its k draft forwards.
+        Priced by adaptive k (a verification's width and a draft forward, measured); without
+        prices, or where a constrained row needs the head, the rows' own choices stand."""
+        if pricing is None or any(s.grammar is not None for s in seqs):
+            return False
+        width = max(len(t or o) for t, o in zip(suffix, offered))
+        with_drafts, without = pricing.seconds(k, k), pricing.seconds(width, 0) if width else None
+        if not with_drafts or not without:
+            return False
+        return alone / without > mixed / with_drafts
 
     # -- the head's step, with the suffix rows' drafts replaced ---------------------------------
     def new_state(self, layout, batch: int, device):

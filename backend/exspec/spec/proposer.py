@@ -55,6 +55,9 @@ class Pricing(Protocol):
     def width(self, lengths: list[int]) -> int:
         """The verified width that pays for host proposals of these lengths."""
 
+    def seconds(self, width: int, drafts: int) -> float | None:
+        """A step's estimated seconds at `width` with `drafts` draft forwards (None: unpriced)."""
+
 
 @dataclass
 class Plan:
