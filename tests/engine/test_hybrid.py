@@ -90,7 +90,7 @@ class _Prices:
     def __init__(self, draft: float):
         self.draft = draft
 
-    def width(self, lengths):
+    def width(self, lengths, drafted=True):
         return max(lengths)
 
     def seconds(self, width, drafts):
@@ -117,6 +117,31 @@ def test_where_drafts_cost_more_than_they_add_the_step_runs_on_suffix_decoding_a
     assert alone.tokens == [[7, 8, 9, 5]] and not alone.drafts and alone.offered == [[]]
     # nothing for suffix decoding to verify: the head drafts whatever it costs
     assert _hybrid().plan(RUNNER, [UNSEEN], 4, _Prices(draft=10.0)).drafts
+
+
+def test_a_step_on_suffix_decoding_alone_verifies_the_width_that_pays():
+    """Without drafts the proposals are priced as a lookup proposer's (adaptive k's width, with
+    no draft price): cut to it, their lengths before the cut reported (adaptive k counts what
+    was kept per proposed length), and a cut proposal teaches the suffix estimates nothing (its
+    score was for the whole). Priced at 0: a plain step."""
+    widths = []
+
+    class Cut(_Prices):
+        def width(self, lengths, drafted=True):
+            widths.append((lengths, drafted))
+            return 2
+    hybrid = _hybrid()
+    plan = hybrid.plan(RUNNER, [REPEATS, UNSEEN], 4, Cut(draft=1.5))
+    assert widths == [([4, 0], False)]
+    assert (plan.width, plan.tokens, plan.caps, plan.lengths) == (2, [[7, 8], []], [2, 0], [4, 0])
+    before = hybrid._row(REPEATS).suffix.trials[:]
+    hybrid.commit(None, 2, [2, 0], torch.tensor([2, 0]))
+    assert hybrid._row(REPEATS).suffix.trials == before, "a cut proposal's score is not its"
+
+    class Plain(_Prices):
+        def width(self, lengths, drafted=True):
+            return 0
+    assert hybrid.plan(RUNNER, [REPEATS, UNSEEN], 4, Plain(draft=1.5)).width == 0
 
 
 def test_a_constrained_row_always_takes_the_heads_drafts():

@@ -391,7 +391,7 @@ def test_cut_proposals_reach_adaptive_k_at_their_proposed_length(pairs, cyclic, 
             seen.append((proposed, lengths))
         return observe(self, batch, k, seconds, draft_seconds, accepted, proposed, lengths)
     monkeypatch.setattr(AdaptiveK, "observe", spy)
-    monkeypatch.setattr(AdaptiveK, "width", lambda self, batch, lengths: min(2, max(lengths)))
+    monkeypatch.setattr(AdaptiveK, "width", lambda self, batch, lengths, drafted=True: min(2, max(lengths)))
     engine = ngram_engine(pairs, target, method=method, adaptive_k=True, max_batch_size=4)
     prompts = walk_prompts(successor, 6, seed=3)
     outs = engine.generate(prompts, SamplingParams(max_tokens=30))

@@ -165,7 +165,7 @@ class AdaptiveK:
     def pricing(self, batch: int) -> "StepPricing":
         return StepPricing(self, batch)
 
-    def width(self, batch: int, lengths: list[int]) -> int:
+    def width(self, batch: int, lengths: list[int], drafted: bool = True) -> int:
         """The verified width for proposals of these lengths (per row; a lookup proposer's)
         that commits the most tokens per second: at width w row r commits 1 + S_1 + ... +
         S_min(w, len_r), S_j the chance its first j proposed tokens are kept (`kept_hazards` of
@@ -185,7 +185,10 @@ class AdaptiveK:
                 s *= 1.0 - h
                 survive.append(survive[-1] + s)
             reach[n] = survive
-        rates = [sum(1.0 + (reach[n][min(w, n)] if n else 0.0) for n in lengths) / self.cost(batch, w)
+        # `drafted`: the proposals cost a draft price per verified width (a lookup proposer's host
+        # proposing); a hybrid's step on suffix decoding alone runs no draft forward
+        rates = [sum(1.0 + (reach[n][min(w, n)] if n else 0.0) for n in lengths)
+                 / (self.cost(batch, w) if drafted else self.costs.seconds(batch, w, 0))
                  for w in range(top + 1)]
         best = max(range(top + 1), key=rates.__getitem__)
         if best > 0:
@@ -307,9 +310,11 @@ class StepPricing:
     def __init__(self, adaptive: AdaptiveK, batch: int):
         self.adaptive, self.batch = adaptive, batch
 
-    def width(self, lengths: list[int]) -> int:
-        """The verified width that pays for proposals of these lengths (AdaptiveK.width)."""
-        return self.adaptive.width(self.batch, lengths)
+    def width(self, lengths: list[int], drafted: bool = True) -> int:
+        """The verified width that pays for proposals of these lengths (AdaptiveK.width);
+        `drafted`: whether the step pays a draft price per width (no: suffix decoding alone in
+        a hybrid, whose draft price is its model's forward)."""
+        return self.adaptive.width(self.batch, lengths, drafted)
 
     def seconds(self, width: int, drafts: int) -> float | None:
         """A step's estimated seconds verifying `width` drafts after `drafts` draft forwards;

@@ -359,7 +359,9 @@ class ModelRunner:
         self.proposer.commit(state, k, accepted, kept)
         if group.processing is not None:   # the device's own committed tokens: no copy back up
             group.processing.advance(tokens, kept, [m + a + 1 for m, a in zip(lengths, accepted)])
-        proposed = None if uniform else verified
+        # per row what it proposed, where rows differ: a ragged verification's, or a plan that
+        # says its proposals' lengths (a hybrid's step on suffix decoding alone)
+        proposed = None if uniform and plan.lengths is None else verified
         self._count(seqs, k, committed, counted)
         bins_at = k + 2 if blocked is None else 2 * k + 3
         return StepResult(committed, accepted, k, verified,

@@ -21,7 +21,10 @@ point mass, as a lookup proposal's), which at its cap, against a filler draft, a
 token committed there an exact sample of the target's p.
 
 The estimates it chooses by are host numbers kept from the rows' committed tokens, per row with
-the whole run's as its prior: no copy, no device work. A step where every row took suffix
+the whole run's as its prior: no copy, no device work. With adaptive k the step is priced whole
+too (`_alone_pays`): the head's k draft forwards are paid by every row of the group, so where
+the tokens a second expected with them fall below suffix decoding's alone (each row's proposal,
+or nothing to verify), the step runs without them. A step where every row took suffix
 decoding verifies its longest proposal's width, not k, and the model does not draft at all (its
 k forwards would all be replaced; on two-turn chats they cost ~16% of the hybrid's speed): a
 draft model's cache stays as it was and catches up at its next drafting step, as after plain
@@ -170,13 +173,21 @@ class HybridProposer(Proposer):
         # no row on the head (a row with nothing to verify is not): the longest proposal is
         # the step's width, and the model does not draft
         drafts = not all(t or not c for t, c in zip(suffix, caps))
-        for t, c in zip(suffix, caps):
-            self.chosen["suffix" if t else "head" if drafts else "plain"] += 1
-        width = k if drafts else max(map(len, suffix))
-        if width == 0:   # nothing to verify (every row at its last token): a plain step
+        width, lengths = k, None
+        if not drafts:   # suffix decoding alone: its proposals priced as a lookup proposer's
+            lengths = [len(t) for t in suffix]
+            width = max(lengths)
+            if width and pricing is not None:
+                width = pricing.width(lengths, drafted=False)
+                runner.stats.add("cut_proposal_tokens", sum(max(0, n - width) for n in lengths))
+                suffix = [t[:width] for t in suffix]
+                caps = [len(t) for t in suffix]
+        for t in suffix:
+            self.chosen["suffix" if t and width else "head" if drafts else "plain"] += 1
+        if width == 0:   # nothing to verify, or nothing that pays: a plain step
             self.choice_seconds += time.perf_counter() - start
             return Plan(0, [0] * len(seqs))
-        self._plan = HybridPlan(width, caps, None if drafts else suffix, suffix=suffix,
+        self._plan = HybridPlan(width, caps, None if drafts else suffix, lengths, suffix=suffix,
                                 offered=offered, starts=[s.num_tokens for s in seqs], scores=scores)
         self.choice_seconds += time.perf_counter() - start
         return self._plan
@@ -250,8 +261,9 @@ class HybridProposer(Proposer):
             if cap == 0:
                 continue
             estimates = self._row(seq)
-            if plan.suffix[row]:   # suffix decoding kept a of what it expected
-                self._observe_suffix(estimates, a, plan.scores[row])
+            if plan.suffix[row]:   # suffix decoding kept a of what it expected (of a whole proposal)
+                if plan.lengths is None or len(plan.suffix[row]) == plan.lengths[row]:
+                    self._observe_suffix(estimates, a, plan.scores[row])
                 continue
             for j in range(min(a + 1, cap)):   # the head: depths 1 .. a kept, a + 1 not
                 estimates.head.observe(j, float(j < a))

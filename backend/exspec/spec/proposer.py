@@ -52,7 +52,7 @@ class Row(Protocol):
 class Pricing(Protocol):
     """What a step's plan is priced by (adaptive k's: engine/adaptive_k.StepPricing)."""
 
-    def width(self, lengths: list[int]) -> int:
+    def width(self, lengths: list[int], drafted: bool = True) -> int:
         """The verified width that pays for host proposals of these lengths."""
 
     def seconds(self, width: int, drafts: int) -> float | None:
