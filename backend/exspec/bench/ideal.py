@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from .methods import HFModels, sync
+from .methods import ENGINE_METHODS, HFModels, sync
 
 
 def describes(method: str, path: str) -> bool:
@@ -14,7 +14,6 @@ def describes(method: str, path: str) -> bool:
     eager target and draft model, so the eager path, and the target alone or the draft model's
     methods. Not a compiled forward (cheaper: measured runs came out at 130-260% of such an
     "ideal"), an EAGLE-3 head's drafts or a lookup's (no draft forward at all)."""
-    from .methods import ENGINE_METHODS
     return path == "eager" and ENGINE_METHODS.get(method, ("", ""))[1] == "draft_model"
 
 
