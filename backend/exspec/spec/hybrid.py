@@ -25,10 +25,10 @@ the whole run's as its prior: no copy, no device work. With adaptive k the step 
 too (`_alone_pays`): the head's k draft forwards are paid by every row of the group, so where
 the tokens a second expected with them fall below suffix decoding's alone (each row's proposal,
 or nothing to verify), the step runs without them. A step where every row took suffix
-decoding verifies its longest proposal's width, not k, and the model does not draft at all (its
-k forwards would all be replaced; on two-turn chats they cost ~16% of the hybrid's speed): a
-draft model's cache stays as it was and catches up at its next drafting step, as after plain
-steps; the head's buffer takes the verification's features of the kept positions after the
+decoding verifies its proposals (cut to the width that pays, with adaptive k), not k, and the
+model does not draft at all (its k forwards would all be replaced; on two-turn chats they cost
+~16% of the hybrid's speed): a draft model's cache stays as it was and catches up at its next
+drafting step, as after plain steps; the head's buffer takes the verification's features of the kept positions after the
 ones it already held, and its next first forward feeds them all.
 """
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch
 from ..sampling.sampler import point_mass
 from ..speculative import SpeculativeConfig, SpeculativeMethod
 from .draft_model import DraftModelProposer
+from .lookup import priced
 from .eagle3 import Eagle3Proposer
 from .proposer import Plan, Proposal, Proposer, Runner, StepState
 from .suffix import SUFFIX_KEYS, SuffixProposer
@@ -176,12 +177,8 @@ class HybridProposer(Proposer):
         width, lengths = k, None
         if not drafts:   # suffix decoding alone: its proposals priced as a lookup proposer's
             lengths = [len(t) for t in suffix]
-            width = max(lengths)
-            if width and pricing is not None:
-                width = pricing.width(lengths, drafted=False)
-                runner.stats.add("cut_proposal_tokens", sum(max(0, n - width) for n in lengths))
-                suffix = [t[:width] for t in suffix]
-                caps = [len(t) for t in suffix]
+            suffix = priced(runner, suffix, pricing, drafted=False)
+            width, caps = max(map(len, suffix)), [len(t) for t in suffix]
         for t in suffix:
             self.chosen["suffix" if t and width else "head" if drafts else "plain"] += 1
         if width == 0:   # nothing to verify, or nothing that pays: a plain step

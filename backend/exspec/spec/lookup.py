@@ -16,7 +16,20 @@ from the part that is.
 """
 from __future__ import annotations
 
-from .proposer import Plan, Proposal, Proposer, Row, Runner, StepState
+from .proposer import Plan, Pricing, Proposal, Proposer, Row, Runner, StepState
+
+
+def priced(runner: Runner, proposals: list[list[int]], pricing: Pricing | None,
+           drafted: bool = True) -> list[list[int]]:
+    """Host proposals cut to the width adaptive k prices as paying (`pricing.width`; `drafted`:
+    whether a draft price comes with each verified width), the tokens cut counted; without
+    pricing, or with nothing proposed, as they are."""
+    lengths = [len(p) for p in proposals]
+    if pricing is None or not any(lengths):
+        return proposals
+    width = pricing.width(lengths, drafted)
+    runner.stats.add("cut_proposal_tokens", sum(max(0, n - width) for n in lengths))
+    return [p[:width] for p in proposals]
 
 
 class StandaloneRow:
@@ -81,11 +94,9 @@ class LookupProposer(Proposer):
             # a constrained row proposes only what its grammar accepts
             proposals = [p if s.grammar is None else p[:s.grammar.valid_prefix(p)]
                          for s, p in zip(seqs, proposals)]
-        width, lengths = max(map(len, proposals)), [len(p) for p in proposals]
-        if width and pricing is not None:   # priced: what pays of the rows' proposals
-            width = pricing.width(lengths)
-            runner.stats.add("cut_proposal_tokens", sum(max(0, len(p) - width) for p in proposals))
-            proposals = [p[:width] for p in proposals]
+        lengths = [len(p) for p in proposals]
+        proposals = priced(runner, proposals, pricing)   # what pays of the rows' proposals
+        width = max(map(len, proposals))
         if width == 0:   # no row found a match, or none that pays: a plain step
             return Plan(0, [0] * len(seqs))
         return Plan(width, [len(p) for p in proposals], proposals, lengths)
