@@ -23,7 +23,7 @@ from exspec.utils.transfer import Transfers, Upload
 
 from enginekit import assert_equivalent, assert_seeded_equivalent
 from test_eagle3 import deep  # noqa: F401 (a fixture)
-from test_proposers import PROPOSERS, eagle3_suffix, engine_for, seeded
+from test_proposers import PROPOSERS, assert_exact_through_arrivals_and_aborts, eagle3_suffix, engine_for, seeded
 
 
 class _Model:
@@ -222,6 +222,18 @@ def test_steps_on_suffix_decoding_alone_beside_rows_that_verify_nothing_stay_exa
     rows = [(f"row {i}", p, sp, o.token_ids, True)
             for i, (o, p, sp) in enumerate(zip(outs, prompts[:8] + prompts[:8], params + params))]
     assert_seeded_equivalent(rows, seeded_reference, target, label=f"hybrid alone seeded {method}")
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_steps_on_suffix_decoding_alone_through_arrivals_and_aborts_stay_exact(
+        pairs, reference, seeded_reference, monkeypatch, method):
+    """The same forced choice through the conformance suite's hardest schedule: rows arriving
+    into running groups, two aborted mid-flight, greedy and seeded rows side by side."""
+    _alone_every_other_step(monkeypatch)
+    case = ("eagle3_suffix", *eagle3_suffix(pairs, None))
+    engine = assert_exact_through_arrivals_and_aborts(pairs, reference, seeded_reference, case, method)
+    chosen = engine.proposer.chosen
+    assert chosen["suffix"] > 0 and chosen["head"] > 0 and chosen["plain"] > 0, chosen
 
 
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])

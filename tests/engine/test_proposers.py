@@ -154,6 +154,12 @@ def test_seeded_equals_target_only_seeded(pairs, seeded_reference, proposer, met
 def test_arrivals_and_aborts_keep_every_row_exact(pairs, reference, seeded_reference, proposer, method):
     """Requests join running groups tick by tick and two are aborted mid-flight; greedy rows and
     seeded rows each equal their target-only output (an aborted one: a prefix of it)."""
+    assert_exact_through_arrivals_and_aborts(pairs, reference, seeded_reference, proposer, method)
+
+
+def assert_exact_through_arrivals_and_aborts(pairs, reference, seeded_reference, proposer, method):
+    """The test above's run (adaptive k, batch 4, arrivals every third tick, two aborts, greedy
+    and seeded rows); returns its engine."""
     name, target, _, prompts = proposer
     engine = engine_for(pairs, proposer, method, max_batch_size=4, adaptive_k=True)
     ids = [f"r{i}" for i in range(len(prompts))]
@@ -176,6 +182,7 @@ def test_arrivals_and_aborts_keep_every_row_exact(pairs, reference, seeded_refer
     assert_seeded_equivalent(rows, seeded_reference, target, label=f"{name} {method}")
     assert finished[ids[1]].finish_reason == "abort"
     assert engine.stats()["accepted_tokens"] > 0
+    return engine
 
 
 def against_target_only(pairs, proposer, method, params, prompts=None, **overrides):
