@@ -390,3 +390,28 @@ def test_the_lm_head_is_packed_on_the_compiled_path_only(pairs):
                 forward.active = False
             assert got.shape == plain.shape
             assert torch.allclose(got, plain, rtol=1e-5, atol=1e-5), (rows, (got - plain).abs().max())
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_forwards_gather_the_longest_rows_blocks_unless_graphs_are_per_shape(pairs, reference, monkeypatch,
+                                                                              static):
+    """Inductor's graphs on a CPU are symbolic in the KV width, so a compiled forward gathers
+    the longest row's blocks (a power-of-two bucket gathered up to twice that: suffix decoding's
+    plain steps at B = 8 ran 3% slower); where graphs are per concrete shape (CUDA graphs' rule,
+    compiled.STATIC_SHAPES here) tables come in powers of two, every one built in the warm-up.
+    Either way nothing compiles after it and the tokens are target-only greedy."""
+    from exspec.kv.blocks import BlockKV
+    monkeypatch.setattr(compiled, "STATIC_SHAPES", static)
+    engine = make_engine(pairs, "llama", "noisy", method="exspec", max_batch_size=2, max_model_len=128,
+                         adaptive_k=False, num_speculative_tokens=2, enforce_eager=False)
+    assert engine.runner.kv_layout.bucketed == static
+    widths, table = [], BlockKV.host_table
+    monkeypatch.setattr(BlockKV, "host_table", lambda kv: widths.append(len(table(kv)[0])) or table(kv))
+    before = compiled.dynamo_counts()
+    prompts = [[5 + i % 40 for i in range(37)], [7, 3, 9]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=30))
+    assert compiled.dynamo_counts() == before, f"after warm-up: {before} -> {compiled.dynamo_counts()}"
+    for out, prompt in zip(outs, prompts):
+        assert out.token_ids == reference(pairs["llama", "target"], prompt, 30)
+    # rows of 37 to 69 tokens: 3 to 5 blocks, gathered as they are or as 4 and 8
+    assert set(widths) == ({4, 8} if static else {3, 4, 5}), widths

@@ -155,7 +155,8 @@ class LLMEngine:
                        and isinstance(self.runner.kv_layout, BlockStores))
         # a graph per concrete shape, each built in the warm-up (CUDA graphs; on a CPU only
         # where compiled.STATIC_SHAPES asks, which the tests do to check the warm-up's coverage)
-        static = cuda_graphs or (compiled.STATIC_SHAPES and isinstance(self.runner.kv_layout, BlockStores))
+        static = (isinstance(self.runner.kv_layout, BlockStores)
+                  and compiled.static_shapes_on(self.config.device))
         in_place = isinstance(self.runner.kv_layout, BlockStores) and self.runner.kv_layout.in_place
         forwards = {}
         models = (self.target, *self.proposer.models)

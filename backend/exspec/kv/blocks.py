@@ -17,7 +17,7 @@ to the free list when the row leaves (`release`) or, whatever path drops it, whe
 
 BlockKV. A group's view: the rows' tables. Merging groups and dropping rows copy no KV (only
 tables move). A forward gets a device block table [B, nb] (nb: the longest row's blocks, bucketed
-to a power of two on the compiled path); the cache layer writes the new entries at their slots
+to a power of two where compiled graphs are per shape: CUDA graphs, the read in place); the cache layer writes the new entries at their slots
 and gathers each row's blocks into [B, H, nb * BLOCK_SIZE, D] for attention: dense attention
 over those columns, so a forward costs in proportion to the longest row's blocks (measured: see
 the docs, "The decode path"). On the eager path a group of one row whose blocks are consecutive
@@ -184,7 +184,7 @@ class KVStore:
         self.in_place = in_place and not grows
         self.mask_rows = mask_rows   # the rows of what in_place.block_masks' mask function reads
         self.prefix = prefix   # block_cache.BlockCache, or None: caching off
-        self.bucketed = bucketed   # table widths in powers of two (few shapes, for compiling)
+        self.bucketed = bucketed   # table widths in powers of two (few shapes, for graphs per shape)
         self.masks = LayerMasks.of(model)
         self.num_blocks = max(2, num_blocks)
         self.grows = grows
@@ -378,10 +378,11 @@ class BlockKV:
         return self.store.transfers.to_device(torch.tensor(self.host_table(), dtype=torch.long))
 
     def host_table(self) -> list[list[int]]:
-        """[B][nb] block ids, padded with the scratch block. nb: the longest row's blocks; for a
-        compiled path rounded up to a power of two so the shapes a forward sees stay few, and at
-        least 2 (torch compiles a size of 1 apart). Eager attention reads only what rows hold:
-        a bucket would make it read up to twice that (measured: 1.2-1.5x the forward)."""
+        """[B][nb] block ids, padded with the scratch block. nb: the longest row's blocks; where
+        a compiled graph is per shape (`bucketed`) rounded up to a power of two so the shapes a
+        forward sees stay few, and at least 2 (torch compiles a size of 1 apart). Otherwise it
+        reads only what rows hold: a bucket would make it read up to twice that (measured
+        eagerly: 1.2-1.5x the forward)."""
         longest = max(len(t.blocks) for t in self.tables)
         return self.padded_table(table_bucket(longest) if self.store.bucketed else longest)
 
@@ -441,7 +442,7 @@ class BlockStores:
         (its scratch block within it) and never grows: growing by copying would hold twice the
         buffers for a moment, past the budget."""
         self.device = device
-        self.bucketed = bucketed   # the compiled path: table widths in powers of two
+        self.bucketed = bucketed   # table widths in powers of two (kv_layout says where)
         self.in_place = in_place   # compiled forwards read the stores in place (in_place.py)
         # the most rows a decode forward has: max_batch_size's, with static shapes' pad rows
         self.max_rows = row_bucket(max_rows)

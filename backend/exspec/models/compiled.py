@@ -102,6 +102,12 @@ COMPILE_BACKEND = "inductor"
 STATIC_SHAPES = False
 
 
+def static_shapes_on(device) -> bool:
+    """Whether compiled forwards on EXSPEC's block store get a graph per concrete shape, each
+    built in the warm-up: CUDA graphs' rule, on a CPU only where STATIC_SHAPES asks."""
+    return torch.device(device).type == "cuda" or STATIC_SHAPES
+
+
 class CompiledForward:
     """A model's decode forward through torch.compile: its decoder layers regionally (one
     compiled function for all of them) when it has them, else the whole model."""
