@@ -48,15 +48,17 @@ class SendThread:
     def start(self):
         self._thread.start()
 
-    def stop(self, engine_ended: bool):
-        """Join, telling the thread to stop first if the engine thread (which would) could not."""
+    def stop(self, engine_ended: bool) -> bool:
+        """Join, telling the thread to stop first if the engine thread (which would) could not.
+        True when the thread ended."""
         if not engine_ended:   # a tick that does not end: still answer everyone
             self.sends.put(STOP)
         self._thread.join(timeout=5.0)
+        return not self._thread.is_alive()
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self):
-        self.log.owner = threading.get_ident()
+        self.log.take()
         next_poll = time.monotonic() + CANCEL_POLL_S
         while True:
             try:
@@ -76,7 +78,7 @@ class SendThread:
                 "the model was unloaded before this request finished", "UNAVAILABLE"), "error")
         self.metrics.idle()
         self._report_traffic(force=True)
-        self.log.owner = None   # finalize writes its own lines from here on
+        self.log.hand_over()   # finalize takes it once it sees this thread ended
 
     def _handle_left_over(self):
         """What reached the queue behind STOP: log lines, and requests refused or registered

@@ -10,7 +10,7 @@ This file is Triton's table of contents; each part has its own module:
 - exspec_lifecycle: the drain, the tick watchdog and the orphan guard;
 - exspec_config (what the model reads at load), exspec_request (parsing), exspec_responses (what
   is sent), exspec_messages (the send queue's items), exspec_stream (one request's state),
-  exspec_metrics, exspec_log (the log, written by the send thread while it runs),
+  exspec_metrics, exspec_log (the log, written by one owner thread: the send thread while it runs),
   exspec_traffic (model.json's record_traffic: served requests as the offline replay reads them,
   written by a thread of its own).
 While the model serves, only the send thread calls Triton's metrics, response senders and logger.
@@ -31,7 +31,7 @@ from exspec_config import (drain_settings, engine_config, parameter, traffic_rec
 from exspec_engine_thread import EngineThread
 from exspec_intake import INPUTS, Intake
 from exspec_lifecycle import FINALIZE_DRAIN_S, Lifecycle, start_orphan_guard
-from exspec_log import EngineLog, Log, write
+from exspec_log import EngineLog, Log
 from exspec_metrics import Metrics
 from exspec_responses import OUTPUTS
 from exspec_send import SendThread
@@ -68,17 +68,16 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(f"exspec: loading {config}")
         self.sends = queue.Queue()   # everything the send thread handles
         self.log = Log(self.sends)
-        self.engine_log = EngineLog(self.sends)
+        self.engine_log = EngineLog(self.log)
         engine_logger = logging.getLogger("exspec")
         engine_logger.addHandler(self.engine_log)
         if engine_logger.level == logging.NOTSET:   # its info lines too (Python's default: warnings up)
             engine_logger.setLevel(logging.INFO)
         try:
             self.engine = LLMEngine(config)
-        except BaseException:   # what the failed load logged, written here: no send thread will
+        except BaseException:   # what other threads logged, written here: no send thread will
             engine_logger.removeHandler(self.engine_log)
-            while not self.sends.empty():
-                write(self.sends.get())
+            self.log.write_queued()
             raise
         self.metrics = self._metrics(args)
         self.lifecycle = Lifecycle(*drain_settings(self.model_config), config.tick_timeout_s,
@@ -89,6 +88,7 @@ class TritonPythonModel:
                                       self.lifecycle, self.metrics, self.log, k, self.traffic)
         self.intake = Intake(self.engine, self.sends, self.lifecycle, self.log,
                              per_token=config.stream_granularity == "token")
+        self.log.hand_over()   # to the send thread: from here on this thread's lines queue too
         self.engine_thread.start()
         if self.traffic is not None:
             self.traffic.start()
@@ -129,8 +129,11 @@ class TritonPythonModel:
         self.intake.close()
         self.lifecycle.drain_for_unload(self.sends)
         engine_ended = self.engine_thread.stop(grace_s=FINALIZE_DRAIN_S)
-        self.send_thread.stop(engine_ended)
+        send_ended = self.send_thread.stop(engine_ended)
         if self.traffic is not None:
             self.traffic.close()
         logging.getLogger("exspec").removeHandler(self.engine_log)
-        self.log.info("exspec: finalized")
+        if send_ended:   # the log is this thread's now: what reached the queue late, then its own
+            self.log.take()
+            self.log.write_queued()
+        self.log.info(f"exspec: model {self.model_name} finalized")

@@ -105,5 +105,5 @@ def test_sigterm_mid_stream_drains_within_the_grace_period(pod):
     assert took <= grace, f"pod took {took:.1f} s to stop; grace is {grace} s"
     assert code == 0, f"tritonserver exit code {code}:\n{pod.log_tail()}"
     log = pod.log.read_text(errors="replace")
-    for line in ("exspec: draining", "exspec: drained", "exspec: finalized"):
+    for line in ("exspec: draining", "exspec: drained", "exspec: model exspec finalized"):
         assert line in log, f"{line!r} not in the log:\n{pod.log_tail()}"

@@ -140,6 +140,8 @@ def test_engine_thread_death_ends_in_flight_and_new_requests_with_unavailable(re
     # unloads itself, so its ready endpoint fails on any Triton version.
     wait_for(lambda: not ready(rel_server, "crash"), 60, "the crashed model not ready")
     assert "unloading model crash (unload_when_dead)" in server_log(rel_server)
+    # its finalize ran to the end and wrote its last line (as the log's owner: exspec_log)
+    wait_for(lambda: "exspec: model crash finalized" in server_log(rel_server), 30, "crash finalized")
     # Triton's strict readiness counts the model that unloaded after failing: the server's own
     # /v2/health/ready fails too (what the Helm chart's probe asks).
     assert not ready(rel_server)
@@ -164,6 +166,7 @@ def test_tick_past_tick_timeout_ends_requests_with_unavailable(rel_server, refer
     assert "a tick has run past tick_timeout_s" in log and "before_tick" in log, (
         "the stuck engine thread's stack is not in the log")
     wait_for(lambda: not ready(rel_server, "slow"), 60, "the stuck model not ready")
+    wait_for(lambda: "exspec: model slow finalized" in server_log(rel_server), 30, "slow finalized")
     assert ready(rel_server, "limits")
     assert one(rel_server, "limits", PROMPTS[1]).ids() == reference[PROMPTS[1]]
     print(f"\nslow: stuck tick answered after {took:.1f} s (tick_delay_s 2.5, tick_timeout_s 0.5)")
