@@ -2,16 +2,18 @@
 """Train an EAGLE-3 head for SmolLM2-135M-Instruct (models/eagle3.py, models/eagle3_training.py).
 Reproducible from the seed, no network (the target comes from `python -m exspec.models.real_pair`).
 
-Steps (each one's output is kept in --work and reused by a later run with the same settings):
- 1. data      as the draft's (scripts/train_smollm2_draft.py steps 1-2): user turns the target
-              wrote (the benchmark's QUESTIONS held out), its own answers with its top-32
-              log-probabilities per answer position; answers made in chunks of CHUNK questions,
-              each kept as it is done (a rerun, or a larger --questions, goes on from there).
-              All answers are greedy (make_answers samples every fourth batch of 32, and a chunk
-              is two).
- 2. features  the target once over every example, its layers' inputs at the head's layer ids
-              (vLLM's defaults 2, 15, 27) kept in float16: cached, not recomputed per batch
-              (a target forward costs ~3x a head training step here).
+Steps (each one's output is kept and reused by a later run with the same settings):
+ 1. data      user turns the target wrote (the benchmark's QUESTIONS held out, as for the draft:
+              scripts/train_smollm2_draft.py), and its answers made by the engine itself at
+              batch 32, target only: greedy, every fourth question sampled at temperature 0.7.
+              Both are kept in --data (default scripts/data/smollm2_eagle3/, committed): the
+              questions as text, the answers as token ids in chunks of CHUNK questions, each
+              written as it is done, so a run (or a session) that stops goes on from there and
+              a larger --questions only adds chunks (`--data-only` makes them and stops).
+ 2. features  the target once over every example: its layers' inputs at the head's layer ids
+              (vLLM's defaults 2, 15, 27) in float16 and its top-32 log-probabilities per answer
+              position (the soft labels), kept in --work: not recomputed per batch (a target
+              forward costs ~3x a head training step here).
  3. vocab     the draft vocabulary: the --draft-vocab ids the target picks most often in the
               training answers (its coverage of held-out picks is reported).
  4. train     training-time test over --steps unrolled steps (loss weights 0.8^j), soft labels =
@@ -38,47 +40,113 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_demo_pair import lr_at, machine_info, make_opt  # noqa: E402
-from train_smollm2_draft import make_answers, make_questions  # noqa: E402
+from train_smollm2_draft import TOP_K, make_questions  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "backend"))
 from exspec.models.eagle3 import head_for, save_head  # noqa: E402
 from exspec.models.eagle3_training import ttt_loss  # noqa: E402
 from exspec.models.layer_inputs import LayerInputs  # noqa: E402
-from exspec.models.real_pair import HEAD_DIR, PAIR_DIR, QUESTIONS, chat_prompt  # noqa: E402
+from exspec.models.real_pair import HEAD_DIR, IM_END, PAIR_DIR, QUESTIONS, chat_prompt  # noqa: E402
 
 CHUNK = 64   # questions answered per kept file
+# The questions and the answers' token ids are committed here (~25 KB per CHUNK): a session
+# makes what it has time for and the next goes on from there; the target's top-32 per answer
+# position (~1.5 MB per CHUNK) is recomputed with the features, from the ids.
+DATA_DIR = Path(__file__).resolve().parent / "data" / "smollm2_eagle3"
 
 
-def load_or_make_data(target, tok, work: Path, n_questions: int, answer_tokens: int, seed: int = 0):
-    """n_questions examples (questions made once for up to max(n, 1600), answers per CHUNK)."""
-    pool = max(n_questions, 1600)
-    qpath = work / f"questions-seed{seed}-q{pool}.json"
-    if not qpath.exists():
-        qpath.write_text(json.dumps(make_questions(target, tok, pool, 64, seed)))
-    questions = json.loads(qpath.read_text())[:n_questions]
-    examples, seconds = [], 0.0
-    for start in range(0, len(questions), CHUNK):
-        path = work / f"answers-seed{seed}-a{answer_tokens}-{start:05d}.pt"
-        if not path.exists():
-            t0 = time.monotonic()
-            torch.save(make_answers(target, tok, questions[start:start + CHUNK], answer_tokens, 32,
-                                    seed + start), path)
-            seconds += time.monotonic() - t0
-        examples += torch.load(path)
-    return examples[:n_questions], {"answers": seconds} if seconds else {}
+def load_or_make_questions(target, tok, data: Path, n: int, seed: int = 0) -> list[str]:
+    """The first n questions of the kept pool, written by the target where it is short."""
+    path = data / f"questions-seed{seed}.json"
+    pool = json.loads(path.read_text()) if path.exists() else []
+    while len(pool) < n:   # kept every 5 chunks' worth; a new seed each, so they are new draws
+        pool += make_questions(target, tok, min(5 * CHUNK, n - len(pool)), 64, seed + len(pool),
+                               exclude=set(pool))
+        path.write_text(json.dumps(pool, indent=0) + "\n")
+    return pool[:n]
+
+
+def answer_chunk_path(data: Path, seed: int, answer_tokens: int, start: int) -> Path:
+    return data / f"answers-seed{seed}-a{answer_tokens}-{start:05d}.npz"
+
+
+def save_answer_chunk(path: Path, answers: list[list[int]], sampled: list[bool]) -> None:
+    flat = [t for a in answers for t in a]
+    assert max(flat, default=0) < 2 ** 16, "token ids must fit uint16"
+    np.savez_compressed(path, tokens=np.array(flat, dtype=np.uint16),
+                        lengths=np.array([len(a) for a in answers], dtype=np.int32),
+                        sampled=np.array(sampled, dtype=bool))
+
+
+def load_answer_chunk(path: Path) -> tuple[list[list[int]], list[bool]]:
+    kept = np.load(path)
+    ends = np.cumsum(kept["lengths"])
+    tokens = kept["tokens"].astype(np.int64)
+    answers = [tokens[e - n:e].tolist() for e, n in zip(ends, kept["lengths"])]
+    return answers, kept["sampled"].tolist()
+
+
+def answer_engine(pair: Path, threads: int):
+    """The engine itself, target only, at batch 32: it makes the answers."""
+    from exspec import EngineConfig, LLMEngine
+    return LLMEngine(EngineConfig(target_model=str(pair / "target"), method="autoregressive",
+                                  max_batch_size=32, torch_threads=threads))
+
+
+def make_answer_chunk(engine, prompts: list[list[int]], first: int, answer_tokens: int, seed: int):
+    """Greedy answers, but every fourth question sampled (temperature 0.7, its own seed) for
+    broader text; each stops after the target's <|im_end|>, which it keeps."""
+    from exspec import SamplingParams
+    sampled = [(first + i) % 4 == 3 for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=answer_tokens, stop_token_ids=[IM_END],
+                             temperature=0.7 if s else 0.0, seed=seed + first + i)
+              for i, s in enumerate(sampled)]
+    return [o.token_ids for o in engine.generate(prompts, params)], sampled
+
+
+def load_or_make_data(target, tok, pair: Path, data: Path, n_questions: int, answer_tokens: int,
+                      threads: int, seed: int = 0):
+    """n_questions examples: prompt + answer ids and the answer's start. Answers come from the
+    chunks kept in `data`; a missing chunk is made (and kept there) by the engine."""
+    # whole chunks only, so a later run with more questions finds every kept chunk complete
+    questions = load_or_make_questions(target, tok, data, -(-n_questions // CHUNK) * CHUNK, seed)
+    prompts = [tok(chat_prompt(tok, q), add_special_tokens=False)["input_ids"] for q in questions]
+    starts = range(0, len(questions), CHUNK)
+    missing = [s for s in starts if not answer_chunk_path(data, seed, answer_tokens, s).exists()]
+    engine, made = (answer_engine(pair, threads) if missing else None), 0
+    bar = tqdm(total=len(questions), desc="answers", unit="q", dynamic_ncols=True)
+    bar.update(len(questions) - sum(len(prompts[s:s + CHUNK]) for s in missing))
+    t0 = time.monotonic()
+    for s in missing:
+        answers, sampled = make_answer_chunk(engine, prompts[s:s + CHUNK], s, answer_tokens, seed)
+        save_answer_chunk(answer_chunk_path(data, seed, answer_tokens, s), answers, sampled)
+        made += sum(map(len, answers))
+        bar.update(len(answers))
+        bar.set_postfix(tokens_per_s=f"{made / (time.monotonic() - t0):.0f}")
+    bar.close()
+    examples = []
+    for s in starts:
+        answers, sampled = load_answer_chunk(answer_chunk_path(data, seed, answer_tokens, s))
+        for prompt, answer, was_sampled in zip(prompts[s:s + CHUNK], answers, sampled):
+            examples.append({"ids": torch.tensor(prompt + answer, dtype=torch.int32),
+                             "start": len(prompt), "sampled": was_sampled})
+    return examples[:n_questions], ({"answers": time.monotonic() - t0} if missing else {})
 
 
 @torch.no_grad()
-def make_features(target, examples, layer_ids, batch: int = 16) -> list[torch.Tensor]:
-    """Per example [T, 3 x hidden] float16: the inputs of the head's target layers."""
+def make_features(target, examples, layer_ids, batch: int = 16):
+    """Per example: [T, 3 x hidden] float16, the inputs of the head's target layers, and the
+    target's top-TOP_K log-probabilities predicting each answer token (indices int32, values
+    float16), from one forward over prompt + answer."""
     tap = LayerInputs(target, layer_ids)
-    out = [None] * len(examples)
+    features, top = [None] * len(examples), [None] * len(examples)
     order = sorted(range(len(examples)), key=lambda i: len(examples[i]["ids"]))
     for start in tqdm(range(0, len(order), batch), desc="features", dynamic_ncols=True):
         idx = order[start:start + batch]
@@ -88,11 +156,17 @@ def make_features(target, examples, layer_ids, batch: int = 16) -> list[torch.Te
         for r, i in enumerate(idx):
             n = len(examples[i]["ids"])
             ids[r, :n], mask[r, :n] = examples[i]["ids"].long(), 1
-        target(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+        hidden = target.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         states = torch.cat(tap.take(), dim=-1)
         for r, i in enumerate(idx):
-            out[i] = states[r, :len(examples[i]["ids"])].half().clone()
-    return out
+            e = examples[i]
+            n, s = len(e["ids"]), e["start"]
+            features[i] = states[r, :n].half().clone()
+            # position s + t - 1 predicts answer token t
+            logp = target.lm_head(hidden[r, s - 1:n - 1]).float().log_softmax(-1)
+            v, t = logp.topk(TOP_K, dim=-1)
+            top[i] = (t.to(torch.int32), v.half())
+    return features, top
 
 
 def draft_vocab(examples, size: int) -> list[int]:
@@ -255,6 +329,7 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=HEAD_DIR)
     ap.add_argument("--work", type=Path, default=PAIR_DIR.parent / "smollm2-eagle3-work")
     ap.add_argument("--pair", type=Path, default=PAIR_DIR)
+    ap.add_argument("--data", type=Path, default=DATA_DIR, help="questions and answers (committed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--questions", type=int, default=1600, help="questions (data seed 0)")
@@ -272,6 +347,8 @@ def main(argv=None):
     if args.tiny:
         args.questions, args.answer_tokens, args.epochs, args.draft_vocab = 48, 32, 1, 2048
         args.eval_every = args.save_every = 4
+        if args.data == DATA_DIR:   # a smoke run's answers are not the committed data
+            args.data = args.work / "data"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
@@ -281,8 +358,10 @@ def main(argv=None):
     target = AutoModelForCausalLM.from_pretrained(args.pair / "target", dtype=torch.float32).eval()
     target.requires_grad_(False)
     args.work.mkdir(parents=True, exist_ok=True)
+    args.data.mkdir(parents=True, exist_ok=True)
     times = {}
-    examples, data_times = load_or_make_data(target, tok, args.work, args.questions, args.answer_tokens)
+    examples, data_times = load_or_make_data(target, tok, args.pair, args.data, args.questions,
+                                             args.answer_tokens, args.threads)
     times.update(data_times)
     if args.data_only:
         return
@@ -296,7 +375,9 @@ def main(argv=None):
     if not fpath.exists():
         torch.save(make_features(target, examples, layer_ids), fpath)
         times["features"] = time.monotonic() - t0
-    features = torch.load(fpath)
+    features, top = torch.load(fpath)
+    for e, (top_i, top_v) in zip(examples, top):
+        e["top_i"], e["top_v"] = top_i, top_v
     vocab = draft_vocab([examples[i] for i in train_idx], args.draft_vocab)
     to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     to_draft[torch.tensor(vocab)] = torch.arange(len(vocab))
@@ -311,7 +392,7 @@ def main(argv=None):
     plot_curve(curve, args.out / "curve.png")
     acceptance = engine_acceptance(args.pair, args.out, tok, 4, 32 if args.tiny else 96)
     metrics = {
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "work", "pair")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "work", "pair", "data")},
         "layer_ids": list(layer_ids), "examples": len(examples), "val_examples": n_val,
         "answer_tokens": sum(len(examples[i]["top_i"]) for i in train_idx),
         "vocab_coverage_held_out": coverage([examples[i] for i in val_idx], vocab),
