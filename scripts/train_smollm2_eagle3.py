@@ -15,7 +15,8 @@ Steps (each one's output is kept and reused by a later run with the same setting
               position (the soft labels), kept in --work: not recomputed per batch (a target
               forward costs ~3x a head training step here).
  3. vocab     the draft vocabulary: the --draft-vocab ids the target picks most often in the
-              training answers (its coverage of held-out picks is reported).
+              training answers (the coverage of held-out picks is reported for it and for
+              2k-32k ids, to size the next one by).
  4. train     training-time test over --steps unrolled steps (loss weights 0.8^j), soft labels =
               the target's top-32 distribution renormalised over the draft vocabulary; lm_head
               and norm start from the target's, fc from the high layer; AdamW, warm-up + cosine;
@@ -396,6 +397,10 @@ def main(argv=None):
         "layer_ids": list(layer_ids), "examples": len(examples), "val_examples": n_val,
         "answer_tokens": sum(len(examples[i]["top_i"]) for i in train_idx),
         "vocab_coverage_held_out": coverage([examples[i] for i in val_idx], vocab),
+        # what another --draft-vocab would cover (its lm_head costs 2 x hidden bytes per id)
+        "vocab_coverage_held_out_by_size": {
+            size: coverage([examples[i] for i in val_idx], draft_vocab([examples[i] for i in train_idx], size))
+            for size in (2048, 4096, 8192, 16384, 32768)},
         "held_out_agreement_per_step": curve["val_agree"][-1] if curve["val_agree"] else None,
         "engine_acceptance": acceptance, "curve": curve,
         "head_params": sum(p.numel() for n, p in head.named_parameters() if n != "embed_tokens.weight"),
@@ -403,7 +408,7 @@ def main(argv=None):
         "machine": machine_info(), **{f"time_{k}_s": round(v, 1) for k, v in times.items()},
     }
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
-    print(json.dumps({k: metrics[k] for k in ("vocab_coverage_held_out", "held_out_agreement_per_step",
+    print(json.dumps({k: metrics[k] for k in ("vocab_coverage_held_out_by_size", "held_out_agreement_per_step",
                                               "engine_acceptance", "weights_bytes")}, indent=1))
 
 
