@@ -28,7 +28,8 @@ Output (default model_repository/exspec/1/smollm2_eagle3/): config.json + model.
 vLLM's llama_eagle3 layout (float16; embeddings shared with the target, not saved),
 metrics.json, curve.png.
 
-    python scripts/train_smollm2_eagle3.py                  # full run, ~55 min on 2 cores
+    python scripts/train_smollm2_eagle3.py                  # the committed head: with the committed
+                                                            # data, ~50 min on 2 cores (AMD EPYC)
     python scripts/train_smollm2_eagle3.py --tiny --out /tmp/h --work /tmp/w   # smoke, ~2 min
 """
 from __future__ import annotations
@@ -52,7 +53,7 @@ from train_smollm2_draft import TOP_K, make_questions  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "backend"))
-from exspec.models.eagle3 import head_for, save_head  # noqa: E402
+from exspec.models.eagle3 import head_for, load_head, save_head  # noqa: E402
 from exspec.models.eagle3_training import ttt_loss  # noqa: E402
 from exspec.models.layer_inputs import LayerInputs  # noqa: E402
 from exspec.models.real_pair import HEAD_DIR, IM_END, PAIR_DIR, QUESTIONS, chat_prompt  # noqa: E402
@@ -249,6 +250,18 @@ def new_head(target, layer_ids, vocab: list[int]):
     return head
 
 
+def continued_head(folder: Path, target, vocab: list[int]):
+    """A head trained before (--init), to train on: a session too short for the whole schedule
+    leaves a head that the next one continues (the optimizer's moments start afresh)."""
+    head = load_head(str(folder), target, torch.float32, "cpu").requires_grad_(True)   # loaded to serve
+    if head.draft_ids.tolist() != vocab:
+        raise SystemExit(f"--init {folder}: its draft vocabulary ({len(head.draft_ids)} ids) is not "
+                         f"this data's {len(vocab)} most-picked ids; train it with the data it was "
+                         "trained on (--questions, --draft-vocab) or start afresh without --init")
+    head.embed_tokens.weight.requires_grad_(False)
+    return head
+
+
 def train(head, examples, features, train_idx, val_idx, to_draft, args, ckpt: Path):
     draft_size = head.config.draft_vocab_size
     trainable = [p for p in head.parameters() if p.requires_grad]
@@ -345,15 +358,17 @@ def main(argv=None):
     ap.add_argument("--data", type=Path, default=DATA_DIR, help="questions and answers (committed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--questions", type=int, default=1600, help="questions (data seed 0)")
+    ap.add_argument("--questions", type=int, default=3200, help="questions (data seed 0)")
     ap.add_argument("--answer-tokens", type=int, default=128)
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3, help="training-time-test unrolled steps")
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--save-every", type=int, default=50)
+    ap.add_argument("--init", type=Path, help="continue training this head (e.g. the committed one, "
+                    "--out's default) instead of starting from the target's lm_head")
     ap.add_argument("--tiny", action="store_true", help="a smoke run of a few minutes")
     ap.add_argument("--data-only", action="store_true", help="make the data and stop")
     args = ap.parse_args(argv)
@@ -394,9 +409,9 @@ def main(argv=None):
     vocab = draft_vocab([examples[i] for i in train_idx], args.draft_vocab)
     to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     to_draft[torch.tensor(vocab)] = torch.arange(len(vocab))
-    head = new_head(target, layer_ids, vocab)
+    head = new_head(target, layer_ids, vocab) if args.init is None else continued_head(args.init, target, vocab)
     ckpt = args.work / (f"ckpt-v{args.draft_vocab}-s{args.steps}-e{args.epochs}-b{args.batch}"
-                        f"-lr{args.lr}-seed{args.seed}-q{args.questions}.pt")
+                        f"-lr{args.lr}-seed{args.seed}-q{args.questions}{'-init' if args.init else ''}.pt")
     t0 = time.monotonic()
     curve = train(head, examples, features, train_idx, val_idx, to_draft, args, ckpt)
     times["train"] = time.monotonic() - t0
@@ -405,7 +420,8 @@ def main(argv=None):
     plot_curve(curve, args.out / "curve.png")
     acceptance = engine_acceptance(args.pair, args.out, tok, 4, 32 if args.tiny else 96)
     metrics = {
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "work", "pair", "data")},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                     if k not in ("out", "work", "pair", "data")},
         "layer_ids": list(layer_ids), "examples": len(examples), "val_examples": n_val,
         "answer_tokens": sum(len(examples[i]["top_i"]) for i in train_idx),
         "vocab_coverage_held_out": coverage([examples[i] for i in val_idx], vocab),
