@@ -35,6 +35,7 @@ metrics.json, curve.png.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import random
@@ -410,8 +411,12 @@ def main(argv=None):
     to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     to_draft[torch.tensor(vocab)] = torch.arange(len(vocab))
     head = new_head(target, layer_ids, vocab) if args.init is None else continued_head(args.init, target, vocab)
+    # a continuation's checkpoint names the head it started from: a second --init in the same
+    # work folder continues the new head instead of finding the first run's schedule finished
+    init = (f"-init{hashlib.sha256((args.init / 'model.safetensors').read_bytes()).hexdigest()[:8]}"
+            if args.init else "")
     ckpt = args.work / (f"ckpt-v{args.draft_vocab}-s{args.steps}-e{args.epochs}-b{args.batch}"
-                        f"-lr{args.lr}-seed{args.seed}-q{args.questions}{'-init' if args.init else ''}.pt")
+                        f"-lr{args.lr}-seed{args.seed}-q{args.questions}{init}.pt")
     t0 = time.monotonic()
     curve = train(head, examples, features, train_idx, val_idx, to_draft, args, ckpt)
     times["train"] = time.monotonic() - t0
