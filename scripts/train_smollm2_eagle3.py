@@ -12,7 +12,8 @@ Steps (each one's output is kept and reused by a later run with the same setting
               a larger --questions only adds chunks (`--data-only` makes them and stops).
  2. features  the target once over every example: its layers' inputs at the head's layer ids
               (vLLM's defaults 2, 15, 27) in float16 and its top-32 log-probabilities per answer
-              position (the soft labels), kept in --work: not recomputed per batch (a target
+              position (the soft labels; with --questions-too the question's positions as
+              well), kept in --work: not recomputed per batch (a target
               forward costs ~3x a head training step here).
  3. vocab     the draft vocabulary: the --draft-vocab ids the target picks most often in the
               training answers (the coverage of held-out picks is reported for it and for
@@ -28,9 +29,12 @@ Output (default model_repository/exspec/1/smollm2_eagle3/): config.json + model.
 vLLM's llama_eagle3 layout (float16; embeddings shared with the target, not saved),
 metrics.json, curve.png.
 
-    python scripts/train_smollm2_eagle3.py                  # the committed head: with the committed
-                                                            # data, ~50 min on 2 cores (AMD EPYC)
-    python scripts/train_smollm2_eagle3.py --tiny --out /tmp/h --work /tmp/w   # smoke, ~2 min
+    python scripts/train_smollm2_eagle3.py                  # with the committed data, ~50 min on
+                                                            # 2 cores (AMD EPYC)
+    python scripts/train_smollm2_eagle3.py --init model_repository/exspec/1/smollm2_eagle3
+                                                            # 2 more epochs (~30 min): the
+                                                            # committed head is the two in turn
+    python scripts/train_smollm2_eagle3.py --tiny --out /tmp/h --work /tmp/w   # smoke, ~2-3 min
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ import argparse
 import hashlib
 import itertools
 import json
+import os
 import random
 import sys
 import time
@@ -75,6 +80,16 @@ def load_or_make_questions(target, tok, data: Path, n: int, seed: int = 0) -> li
                                exclude=set(pool))
         path.write_text(json.dumps(pool, indent=0) + "\n")
     return pool[:n]
+
+
+def seed_questions(committed: Path, data: Path, n: int, seed: int = 0) -> None:
+    """A smoke run's questions: the committed pool's first n, so that it writes only its short
+    answers (the target writes a question in ~18 s on a 2-core CPU)."""
+    path = data / f"questions-seed{seed}.json"
+    if not path.exists():
+        data.mkdir(parents=True, exist_ok=True)
+        pool = json.loads((committed / path.name).read_text())[:n]
+        path.write_text(json.dumps(pool, indent=0) + "\n")
 
 
 def answer_chunk_path(data: Path, seed: int, answer_tokens: int, start: int) -> Path:
@@ -144,22 +159,31 @@ def load_or_make_data(target, tok, pair: Path, data: Path, n_questions: int, ans
     return examples[:n_questions], ({"answers": time.monotonic() - t0} if missing else {})
 
 
+def learn_from(examples, questions_too: bool) -> None:
+    """Sets each example's first labelled token: its answer's first, or with `questions_too` its
+    question's (the target wrote those too; the chat template before them is the same in every
+    example, nothing to learn)."""
+    shared = len(os.path.commonprefix([e["ids"][:e["start"]].tolist() for e in examples]))
+    for e in examples:
+        e["learn_from"] = shared if questions_too else e["start"]
+
+
 @torch.no_grad()
 def make_features(target, examples, layer_ids, batch: int = 16):
     """Per example: [T, 3 x hidden] float16, the inputs of the head's target layers, and the
-    target's top-TOP_K log-probabilities predicting each answer token (indices int32, values
-    float16), from one forward over prompt + answer. Each is a view into one tensor allocated
+    target's top-TOP_K log-probabilities predicting each token from its "learn_from" on (indices
+    int32, values float16), from one forward over prompt + answer. Each is a view into one tensor allocated
     up front: thousands of small copies between each batch's large temporaries fragmented the
     heap until 3,200 examples filled 24 GB."""
     tap = LayerInputs(target, layer_ids)
     lengths = [len(e["ids"]) for e in examples]
-    answers = [n - e["start"] for n, e in zip(lengths, examples)]
+    labelled = [n - e["learn_from"] for n, e in zip(lengths, examples)]
     at = [0] + list(itertools.accumulate(lengths))
-    at_answer = [0] + list(itertools.accumulate(answers))
+    at_label = [0] + list(itertools.accumulate(labelled))
     width3 = len(layer_ids) * target.config.hidden_size
     all_features = torch.empty(at[-1], width3, dtype=torch.float16)
-    all_top_i = torch.empty(at_answer[-1], TOP_K, dtype=torch.int32)
-    all_top_v = torch.empty(at_answer[-1], TOP_K, dtype=torch.float16)
+    all_top_i = torch.empty(at_label[-1], TOP_K, dtype=torch.int32)
+    all_top_v = torch.empty(at_label[-1], TOP_K, dtype=torch.float16)
     order = sorted(range(len(examples)), key=lambda i: lengths[i])
     for start in tqdm(range(0, len(order), batch), desc="features", dynamic_ncols=True):
         idx = order[start:start + batch]
@@ -171,37 +195,44 @@ def make_features(target, examples, layer_ids, batch: int = 16):
         hidden = target.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         states = torch.cat(tap.take(), dim=-1)
         for r, i in enumerate(idx):
-            n, s = lengths[i], examples[i]["start"]
+            n, s = lengths[i], examples[i]["learn_from"]
             all_features[at[i]:at[i + 1]] = states[r, :n]
-            # position s + t - 1 predicts answer token t
+            # position s + t - 1 predicts labelled token t
             logp = target.lm_head(hidden[r, s - 1:n - 1]).float().log_softmax(-1)
             v, t = logp.topk(TOP_K, dim=-1)
-            all_top_i[at_answer[i]:at_answer[i + 1]] = t
-            all_top_v[at_answer[i]:at_answer[i + 1]] = v
+            all_top_i[at_label[i]:at_label[i + 1]] = t
+            all_top_v[at_label[i]:at_label[i + 1]] = v
     features = [all_features[at[i]:at[i + 1]] for i in range(len(examples))]
-    top = [(all_top_i[at_answer[i]:at_answer[i + 1]], all_top_v[at_answer[i]:at_answer[i + 1]])
+    top = [(all_top_i[at_label[i]:at_label[i + 1]], all_top_v[at_label[i]:at_label[i + 1]])
            for i in range(len(examples))]
     return features, top
+
+
+def answer_picks(e) -> list[int]:
+    """The target's argmax at each answer position (the labels may start in the question)."""
+    return e["top_i"][e["start"] - e["learn_from"]:, 0].tolist()
 
 
 def draft_vocab(examples, size: int) -> list[int]:
     """The `size` ids the target picks most often in these answers (its argmax per position)."""
     counts = Counter()
     for e in examples:
-        counts.update(e["top_i"][:, 0].tolist())
+        counts.update(answer_picks(e))
     return sorted(t for t, _ in counts.most_common(size))
 
 
 def coverage(examples, vocab: list[int]) -> float:
     inside = set(vocab)
-    picks = [t for e in examples for t in e["top_i"][:, 0].tolist()]
+    picks = [t for e in examples for t in answer_picks(e)]
     return sum(t in inside for t in picks) / max(1, len(picks))
 
 
-def make_batch(examples, features, index, to_draft: torch.Tensor, draft_size: int):
+def make_batch(examples, features, index, to_draft: torch.Tensor, draft_size: int,
+               answers_only: bool = False):
     """Tokens [B, T], layer inputs [B, T, 3H], the target's distribution over the draft
-    vocabulary at each position [B, T, draft], and the positions that count [B, T] (answer
-    positions whose top-32 reaches the draft vocabulary)."""
+    vocabulary at each position [B, T, draft], and the positions that count [B, T] (labelled
+    positions, or with `answers_only` answer positions, whose top-32 reaches the draft
+    vocabulary)."""
     width = max(len(examples[i]["ids"]) for i in index)
     b = len(index)
     tokens = torch.zeros(b, width, dtype=torch.long)
@@ -210,12 +241,12 @@ def make_batch(examples, features, index, to_draft: torch.Tensor, draft_size: in
     mask = torch.zeros(b, width, dtype=torch.bool)
     for r, i in enumerate(index):
         e = examples[i]
-        n, start = len(e["ids"]), e["start"]
+        n, start = len(e["ids"]), e["learn_from"]
         tokens[r, :n] = e["ids"].long()
         states[r, :n] = features[i].float()
-        # top_i[t] is the target's distribution predicting answer token t: position start + t - 1
+        # top_i[t] is the target's distribution predicting labelled token t: position start + t - 1
         rows = torch.arange(len(e["top_i"])) + start - 1
-        ids = to_draft[e["top_i"].long()]                       # [n_answer, 32], -1 outside
+        ids = to_draft[e["top_i"].long()]                       # [n_labelled, 32], -1 outside
         p = e["top_v"].float().exp() * (ids >= 0)
         total = p.sum(-1, keepdim=True)
         p = p / total.clamp_min(1e-9)
@@ -223,6 +254,8 @@ def make_batch(examples, features, index, to_draft: torch.Tensor, draft_size: in
         dense.scatter_add_(1, ids.clamp_min(0), p)
         probs[r, rows] = dense
         mask[r, rows] = total[:, 0] > 0
+        if answers_only:
+            mask[r, :e["start"] - 1] = False
     return tokens, states, probs, mask
 
 
@@ -231,7 +264,8 @@ def agreement(head, examples, features, index, to_draft, draft_size, steps, batc
     head.eval()
     agree, counted = [0.0] * steps, [0.0] * steps
     for s in range(0, len(index), batch):
-        tokens, states, probs, mask = make_batch(examples, features, index[s:s + batch], to_draft, draft_size)
+        tokens, states, probs, mask = make_batch(examples, features, index[s:s + batch], to_draft,
+                                                 draft_size, answers_only=True)   # what serving drafts
         _, a, c = ttt_loss(head, tokens, states, probs, mask, steps)
         agree = [x + y for x, y in zip(agree, a)]
         counted = [x + y for x, y in zip(counted, c)]
@@ -370,6 +404,9 @@ def main(argv=None):
     ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--init", type=Path, help="continue training this head (e.g. the committed one, "
                     "--out's default) instead of starting from the target's lm_head")
+    ap.add_argument("--questions-too", action="store_true",
+                    help="train on the question's positions as well as the answer's (the held-out "
+                    "agreement and the draft vocabulary stay the answers')")
     ap.add_argument("--tiny", action="store_true", help="a smoke run of a few minutes")
     ap.add_argument("--data-only", action="store_true", help="make the data and stop")
     args = ap.parse_args(argv)
@@ -378,6 +415,7 @@ def main(argv=None):
         args.eval_every = args.save_every = 4
         if args.data == DATA_DIR:   # a smoke run's answers are not the committed data
             args.data = args.work / "data"
+            seed_questions(DATA_DIR, args.data, CHUNK)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
@@ -394,12 +432,14 @@ def main(argv=None):
     times.update(data_times)
     if args.data_only:
         return
+    learn_from(examples, args.questions_too)
     random.Random(0).shuffle(examples)
     n_val = max(2, len(examples) // 20)
     val_idx, train_idx = list(range(n_val)), list(range(n_val, len(examples)))
     layers = target.config.num_hidden_layers
     layer_ids = (2, layers // 2, layers - 3)
-    fpath = args.work / f"features-q{args.questions}-a{args.answer_tokens}-{'-'.join(map(str, layer_ids))}.pt"
+    fpath = args.work / (f"features-q{args.questions}-a{args.answer_tokens}-{'-'.join(map(str, layer_ids))}"
+                         f"{'-qa' if args.questions_too else ''}.pt")
     t0 = time.monotonic()
     if not fpath.exists():
         torch.save(make_features(target, examples, layer_ids), fpath)
@@ -416,7 +456,8 @@ def main(argv=None):
     init = (f"-init{hashlib.sha256((args.init / 'model.safetensors').read_bytes()).hexdigest()[:8]}"
             if args.init else "")
     ckpt = args.work / (f"ckpt-v{args.draft_vocab}-s{args.steps}-e{args.epochs}-b{args.batch}"
-                        f"-lr{args.lr}-seed{args.seed}-q{args.questions}{init}.pt")
+                        f"-lr{args.lr}-seed{args.seed}-q{args.questions}"
+                        f"{'-qa' if args.questions_too else ''}{init}.pt")
     t0 = time.monotonic()
     curve = train(head, examples, features, train_idx, val_idx, to_draft, args, ckpt)
     times["train"] = time.monotonic() - t0
@@ -428,7 +469,8 @@ def main(argv=None):
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                      if k not in ("out", "work", "pair", "data")},
         "layer_ids": list(layer_ids), "examples": len(examples), "val_examples": n_val,
-        "answer_tokens": sum(len(examples[i]["top_i"]) for i in train_idx),
+        "answer_tokens": sum(len(answer_picks(examples[i])) for i in train_idx),
+        "trained_positions": sum(len(examples[i]["top_i"]) for i in train_idx),
         "vocab_coverage_held_out": coverage([examples[i] for i in val_idx], vocab),
         # what another --draft-vocab would cover (its lm_head costs 2 x hidden bytes per id)
         "vocab_coverage_held_out_by_size": {
