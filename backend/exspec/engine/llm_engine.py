@@ -166,6 +166,7 @@ class LLMEngine:
                 self.pair.decode_forwards[key] = compiled.CompiledForward(model, cuda_graphs, in_place)
             forwards[model] = self.pair.decode_forwards[key]
             forwards[model].static_shapes = static
+            forwards[model].rows_symbolic_from_one = isinstance(self.runner.kv_layout, BlockStores)
         self.runner.decode_forwards = forwards
         stats, self.runner.stats = self.runner.stats, Stats(model_devices(*models))
         try:

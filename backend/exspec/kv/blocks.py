@@ -105,10 +105,14 @@ def _rows_of(buffer: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
     """[B, H, W, D] from a [slots, H, D] buffer and [B, W] slot indices: whole slots gathered
     (index_select copies H * D contiguous values per slot), then made contiguous, since some
     attention code views the keys it gets. Advanced indexing over (slot, head) pairs did the
-    same in one kernel at 3-4x the time: 40% of a B = 8 forward of the demo target on a CPU."""
+    same in one kernel at 3-4x the time: 40% of a B = 8 forward of the demo target on a CPU.
+    The copy goes into a fresh tensor rather than through `contiguous()`, whose contiguity test
+    on a compiled region's symbolic rows guarded on one row (compiled.py keeps rows symbolic
+    from one)."""
     rows, width = gather.shape
     picked = buffer.index_select(0, gather.reshape(-1)).view(rows, width, *buffer.shape[1:])
-    return picked.transpose(1, 2).contiguous()
+    out = picked.new_empty((rows, buffer.shape[1], width, *buffer.shape[2:]))
+    return out.copy_(picked.transpose(1, 2))
 
 
 def _buffer(tensor: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,9 @@ Shapes are symbolic (`dynamic=True`, without duck shaping): batch, query width a
 are symbols, so a step with more rows, another k or longer rows reuses the same graph. Torch
 still specialises a size of 1 (one row, one query token), so the warm-up runs each model at 1
 and 2 rows through a fixed schedule of steps that meets every forward kind once: 4 graphs per
-model with EQSPEC, 2 with EXSPEC (whose one-token forwards are fed as two, a pad first: a pad
-costs its block store nothing), and afterwards nothing recompiles (tests/engine/test_compiled.py
+model with EQSPEC; 1 with EXSPEC, whose one-token forwards are fed as two (a pad first: a pad
+costs its block store nothing) and whose first compile keeps even one row symbolic
+(`_rows_symbolic_from_one`), and afterwards nothing recompiles (tests/engine/test_compiled.py
 counts it with Dynamo's own counters; test_compiled_inductor.py with inductor); a forward that
 compiles after the warm-up anyway logs a warning naming its shape.
 
@@ -112,8 +113,8 @@ class CompiledForward:
     """A model's decode forward through torch.compile: its decoder layers regionally (one
     compiled function for all of them) when it has them, else the whole model."""
 
-    # Graphs per model: {1, more} rows x {1, more} query tokens (EXSPEC: x 1, its one-token
-    # forwards are fed as two). Compiled code is cached per code object and torch caps that
+    # Graphs per model: {1, more} rows x {1, more} query tokens (EXSPEC: one, its one-token
+    # forwards fed as two and one row symbolic). Compiled code is cached per code object and torch caps that
     # cache at 8 entries by default (past that it silently runs eager); the cap is raised to
     # room for a few.
     RECOMPILE_LIMIT = 64
@@ -137,6 +138,10 @@ class CompiledForward:
         # built run through it, any other runs eagerly (`eager_shapes`), so nothing is
         # captured after READY (warm_up builds every shape a step can take, `static_shapes`)
         self.static_shapes = cuda_graphs
+        # EXSPEC's block store (set by the engine): one graph for every row count, one row
+        # included (`_rows_symbolic_from_one`); its query widths are never 1 (a one-token forward
+        # is fed as two), which HF's attention needs known where it tests `width > 1`
+        self.rows_symbolic_from_one = False
         # the block store read in place (kv/in_place.py): a graph per query width, each dynamic
         # in its rows from IN_PLACE_ROWS on, every one built in the warm-up (`shapes_to_build`)
         self.in_place = in_place
@@ -258,8 +263,11 @@ class CompiledForward:
             self.compiled[width] = torch.compile(_own_code(_run_layers, name),
                                                  dynamic=None if self.in_place else True,
                                                  backend=COMPILE_BACKEND, options=self._compile_options)
-        return self.compiled[width](self.template, self.tensor_names, self.region_tensors[first],
-                                    caches, args, kwargs)
+        call = (self.compiled[width], self.template, self.tensor_names, self.region_tensors[first],
+                caches, args, kwargs)
+        if self.warm or not self.rows_symbolic_from_one or self.in_place or self.static_shapes:
+            return call[0](*call[1:])
+        return _rows_symbolic_from_one(call, args, kwargs)
 
     def _forward(self, inputs):
         if self.cuda_graphs:
@@ -439,6 +447,22 @@ def _run_layers(template, names, tensors, caches, args, kwargs):
     return out, tuple(inputs)
 
 
+def _rows_symbolic_from_one(call, args, kwargs):
+    """A region's call before READY (where it compiles) with its row count symbolic even at one
+    row: torch would give one row a graph of its own (it specialises sizes 0 and 1), so a model
+    compiled two, each a C++ build on a CPU; torch's size-oblivious shapes (a dynamic-shapes mode
+    of vLLM's) make one graph for every row count (the warm-up 18-32% shorter on a 2-core CPU).
+    Only the rows: any other size of 1 (a mask's head dimension, which broadcasts) stays
+    static, as torch would have made it."""
+    for t in (*args, *kwargs.values()):
+        if isinstance(t, torch.Tensor):
+            for dim in range(1, t.dim()):
+                if t.shape[dim] == 1:
+                    torch._dynamo.mark_static(t, dim)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        return call[0](*call[1:])
+
+
 def layer_input(layer, given):
     """A decoder layer's input during a forward: `given` (what the model handed it), except in a
     compiled region of several layers, where a later layer is handed the region's output and its
@@ -585,8 +609,9 @@ class WarmUp:
                 f"{self.seconds:.1f} s{cache}")
 
 
-# The row counts the warm-up steps: torch specialises 1 and keeps any other count symbolic, so
-# these two are every graph a batch size can need (CUDA graphs: see CompiledForward.__call__).
+# The row counts the warm-up steps: torch specialises 1 (except in EXSPEC's regions, which keep
+# it symbolic) and keeps any other count symbolic, so these two are every graph a batch size
+# can need (CUDA graphs: see CompiledForward.__call__).
 WARM_UP_ROWS = (1, 2)
 # reading in place, a width's graph is compiled for 1 row (torch specialises a size of 1), then
 # for 2 with its rows symbolic (automatic dynamic shapes: the rows changed), which every larger
