@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import time
 import types
 from dataclasses import dataclass, field
@@ -265,9 +266,16 @@ class CompiledForward:
                                                  backend=COMPILE_BACKEND, options=self._compile_options)
         call = (self.compiled[width], self.template, self.tensor_names, self.region_tensors[first],
                 caches, args, kwargs)
-        if self.warm or not self.rows_symbolic_from_one or self.in_place or self.static_shapes:
+        if self.warm:
             return call[0](*call[1:])
-        return _rows_symbolic_from_one(call, args, kwargs)
+        # before READY, where it compiles: the template's floats (a norm's epsilon, attention's
+        # scale) become the graph's constants; left symbolic (dynamic=True's default), inductor
+        # failed to turn one into a tensor and Dynamo traced and compiled the region again
+        # (13 s of the deep-narrow pair's 95 s warm-up)
+        with torch._dynamo.config.patch(specialize_float=True):
+            if not self.rows_symbolic_from_one or self.in_place or self.static_shapes:
+                return call[0](*call[1:])
+            return _rows_symbolic_from_one(call, args, kwargs)
 
     def _forward(self, inputs):
         if self.cuda_graphs:
@@ -324,6 +332,9 @@ class CompiledForward:
         options = {"guard_filter_fn": _not_on_modules}
         if self.cpp_wrapper:
             options["cpp_wrapper"] = True
+            # the wrapper (glue, ~100 KB of C++ for 9 layers) at -O1 apart from its -O3
+            # kernels, not all of it at -O3: a shorter build, forwards as fast
+            options["cpp_wrapper_build_separate"] = True
         if "mode" in self._options:   # a mode's inductor options, as torch takes one or the other
             from torch._inductor import list_mode_options
             options.update(list_mode_options(self._options["mode"]))
@@ -734,6 +745,8 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | Non
         forward.warm = False
     inductor = COMPILE_BACKEND == "inductor"
     cache_dir = compile_cache_dir() if inductor else None
+    if inductor and runner.device.type == "cpu":
+        _probe_vector_isas()
     before, start, cache_before = dynamo_counts(), time.perf_counter(), inductor_cache_counts()
     skips_before = cuda_graph_counts()["skips"] if cuda_graphs else 0
     params = SamplingParams(max_tokens=8 * (k + 1) * rounds, ignore_eos=True)   # never finishes here
@@ -776,6 +789,17 @@ def warm_up(runner, make_sequence, k: int, vocab_size: int, progress: bool | Non
                   time.perf_counter() - start, [f.describe() for f in forwards], captured,
                   {key: cache_after[key] - cache_before[key] for key in cache_after} if inductor else None,
                   cache_dir)
+
+
+def _probe_vector_isas() -> None:
+    """Starts, beside the warm-up, inductor's probe of the vector instruction sets g++ builds
+    and the CPU loads: a g++ build and a loader subprocess per set, ~9 s on a 2-core CPU once per
+    compile cache folder (quicker on a restart), which inductor would otherwise run when it
+    generates its first kernel, after the tracing that needs none of it. Its answer is cached
+    (functools.cache); a kernel that asks before it is done probes beside it, the cache's file
+    locks keep that sound."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    threading.Thread(target=valid_vec_isa_list, name="exspec-isa-probe", daemon=True).start()
 
 
 def _no_bar(progress: bool | None) -> bool | None:
