@@ -213,7 +213,12 @@ class CompiledForward:
             features = inputs.get("features")
             if features is not None:   # its size and dtype, for the warm-up's other shapes
                 self.features = (features.shape[-1], features.dtype)
-            return self._forward(inputs)
+            # before READY, where it compiles: the model's floats (a norm's epsilon, attention's
+            # scale) become the graphs' constants; left symbolic (dynamic=True's default),
+            # inductor failed to turn one into a tensor and Dynamo traced and compiled the frame
+            # again (13 s of the deep-narrow pair's 95 s warm-up; 3 restarts of a whole model)
+            with torch._dynamo.config.patch(specialize_float=True):
+                return self._forward(inputs)
         graphs, shape = dynamo_counts()["graphs"], _shape(inputs)
         if (self.static_shapes or self.in_place) and self.key(shape) not in self.shapes:
             if shape not in self.eager_shapes:
@@ -266,16 +271,9 @@ class CompiledForward:
                                                  backend=COMPILE_BACKEND, options=self._compile_options)
         call = (self.compiled[width], self.template, self.tensor_names, self.region_tensors[first],
                 caches, args, kwargs)
-        if self.warm:
+        if self.warm or not self.rows_symbolic_from_one or self.in_place or self.static_shapes:
             return call[0](*call[1:])
-        # before READY, where it compiles: the template's floats (a norm's epsilon, attention's
-        # scale) become the graph's constants; left symbolic (dynamic=True's default), inductor
-        # failed to turn one into a tensor and Dynamo traced and compiled the region again
-        # (13 s of the deep-narrow pair's 95 s warm-up)
-        with torch._dynamo.config.patch(specialize_float=True):
-            if not self.rows_symbolic_from_one or self.in_place or self.static_shapes:
-                return call[0](*call[1:])
-            return _rows_symbolic_from_one(call, args, kwargs)
+        return _rows_symbolic_from_one(call, args, kwargs)
 
     def _forward(self, inputs):
         if self.cuda_graphs:
